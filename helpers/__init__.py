@@ -1,0 +1,22 @@
+"""Shared code for the FlashAttention course.
+
+Every notebook starts with ``from helpers import check, meter``:
+
+- ``helpers.check``: one grader per exercise, ``check.merge_ml(my_merge_ml)``.
+- ``helpers.meter``: measures one call of a function (FLOPs, the largest tensor it
+  made, bytes moved to and from "HBM") with ``TorchDispatchMode``.
+- ``helpers.reference``: the float64 references (SDPA, ``torch.logsumexp``).
+- ``helpers.plots`` / ``helpers.widgets``: figures and ipywidgets explorers.
+
+This file imports nothing heavy, so ``helpers.triton_attention`` can be used on a GPU
+machine that has only torch and triton.
+"""
+import importlib
+
+__all__ = ["check", "meter", "reference", "plots", "widgets", "checking"]
+
+
+def __getattr__(name):  # lazy submodules: `helpers.check` imports on first use
+    if name in __all__:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'helpers' has no attribute {name!r}")

@@ -1,0 +1,268 @@
+"""Checkers of lesson 01, the online softmax: (m, l), their merge, blocks, the LSE.
+
+References: ``torch.logsumexp`` in float64 (``helpers.reference``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import meter, reference
+from ..checking import Bug, Case, exercise
+
+NEG_INF = -math.inf
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------ shared bug models
+def _stats_no_rescale(x):
+    """l += exp(x_i - m_new) without multiplying the old l by exp(m_old - m_new)."""
+    m, l = NEG_INF, 0.0
+    for xi in x.double().tolist():
+        m = max(m, xi)
+        l += math.exp(xi - m) if m > NEG_INF else 0.0
+    return m, l
+
+
+def _stats_inverted_rescale(x):
+    """l * exp(m_new - m_old): the rescale factor upside down."""
+    m, l = NEG_INF, 0.0
+    for xi in x.double().tolist():
+        m_new = max(m, xi)
+        l = (l * math.exp(min(m_new - m, 700)) if m > NEG_INF else 0.0) + math.exp(xi - m_new)
+        m = m_new
+    return m, l
+
+
+# ------------------------------------------------------------------ online_softmax_stats
+def _row_cases():
+    g = _gen(1)
+    cases = [
+        Case("one element", torch.tensor([0.5])),
+        Case("increasing (rescale at every step)", torch.arange(6, dtype=torch.float32) * 1.5),
+        Case("decreasing (no rescale needed)", torch.arange(6, 0, -1, dtype=torch.float32)),
+        Case("random", torch.randn(37, generator=g)),
+        Case("large logits (exp overflows without the max)", torch.randn(20, generator=g) * 50 + 1000,
+             note="exp(1000) is inf in float32 and float64"),
+        Case("very negative logits (exp underflows without the max)", torch.randn(9, generator=g) - 2000),
+        Case("-inf first (a masked key before any real one)", torch.tensor([NEG_INF, NEG_INF, 1.0, 2.0])),
+        Case("-inf last", torch.tensor([3.0, 1.0, NEG_INF])),
+        Case("all -inf (a fully masked row)", torch.full((5,), NEG_INF)),
+        Case("ties", torch.tensor([2.0, 2.0, 2.0, 2.0])),
+    ]
+    cases += [Case(f"random, n={n}", torch.randn(n, generator=g) * 4) for n in (2, 3, 64, 129)]
+    return cases
+
+
+@exercise("online_softmax_stats", arg_names=["x"], reference="torch.logsumexp")
+def online_softmax_stats(g):
+    for case in _row_cases():
+        x = case.args[0]
+        out = g.call(case)
+        m_got, l_got = g.expect_tuple(out, 2, "(m, l)")
+        m_got, l_got = g.expect_float(m_got, "m"), g.expect_float(l_got, "l")
+        m_ref, l_ref = reference.softmax_stats(x)
+        g.compare(m_got, m_ref, "m", hint="m is the largest element seen so far (start from -inf)")
+        g.compare(l_got, l_ref, "l", rtol=1e-5, bugs=[
+            Bug("when m grows, the old l was summed against the old max: multiply it by "
+                "exp(m_old - m_new) before adding exp(x_i - m_new)", lambda c: _stats_no_rescale(c.args[0])[1]),
+            Bug("the rescale factor is upside down: it is exp(m_old - m_new) (<= 1), not exp(m_new - m_old)",
+                lambda c: _stats_inverted_rescale(c.args[0])[1]),
+            Bug("l should be the sum of exp(x_i - m), not of exp(x_i): subtract the max",
+                lambda c: torch.exp(c.args[0].double()).sum()),
+        ], hint="l = sum over i of exp(x_i - m), with m the final max",
+           nan_hint="an all -inf row must give (-inf, 0.0): exp(-inf - -inf) is NaN; skip the update "
+                    "while m is still -inf")
+        g.count()
+    _one_pass(g)
+
+
+def _one_pass(g):
+    """The point of the exercise: a single left-to-right pass over x, one element at a time."""
+    x = torch.randn(12, generator=_gen(2))
+    case = Case("one pass (metered)", x)
+    g.case = case
+    args = (x.clone(),)
+    try:
+        r = meter.measure(g.fn, *args, names=["x"])
+    except Exception:  # noqa: BLE001 - errors were already reported by g.call on the same kind of input
+        return
+    spans = r.read_ranges.get("x", [])
+    for lo, hi in spans:
+        if hi - lo > 1:
+            g.fail(f"your function read {hi - lo} elements of x in one operation "
+                   f"(ops seen: {', '.join(sorted(set(r.ops) - {'select', 'slice', 'unbind'}))})",
+                   hint="that is the 2- or 3-pass softmax (max first, then the sum): the online version visits "
+                        "x once, element by element (`for xi in x:`), keeping only m and l")
+    frontier = -1
+    for lo, _hi in spans:
+        if lo < frontier:
+            g.fail(f"your function went back to x[{lo}] after reading x[{frontier}]: that is a second pass",
+                   hint="keep m and l up to date as you go, so one left-to-right pass is enough")
+        frontier = max(frontier, lo)
+
+
+# ------------------------------------------------------------------ merge_ml
+def _merge_cases():
+    g = _gen(3)
+    n = 64
+    m1, m2 = torch.randn(n, generator=g) * 3, torch.randn(n, generator=g) * 3
+    l1, l2 = torch.rand(n, generator=g) * 5 + 1, torch.rand(n, generator=g) * 5 + 1
+    t = torch.tensor
+    return [
+        Case("random", m1, l1, m2, l2),
+        Case("equal maxima", t([1.0, -2.0, 0.0]), t([2.0, 1.0, 3.0]), t([1.0, -2.0, 0.0]), t([1.0, 4.0, 1.0])),
+        Case("left side empty (-inf, 0)", t([NEG_INF, NEG_INF]), t([0.0, 0.0]), t([0.5, -3.0]), t([2.0, 1.0])),
+        Case("right side empty (-inf, 0)", t([0.5, 7.0]), t([2.0, 1.0]), t([NEG_INF, NEG_INF]), t([0.0, 0.0])),
+        Case("both sides empty (-inf, 0)", t([NEG_INF, 1.0, NEG_INF]), t([0.0, 2.0, 0.0]),
+             t([NEG_INF, 0.0, NEG_INF]), t([0.0, 1.0, 0.0]),
+             note="a tile or a split where no key is visible, for this row"),
+        Case("large maxima (exp(m) overflows)", m1[:8] + 1e4, l1[:8], m2[:8] + 1e4, l2[:8]),
+        Case("far apart maxima", t([0.0, 100.0]), t([3.0, 1.0]), t([100.0, 0.0]), t([2.0, 4.0])),
+        Case("scalars (0-d tensors)", t(1.5), t(2.0), t(-0.5), t(3.0)),
+    ]
+
+
+def _merge_models():
+    def no_rescale(c):
+        return c.args[1].double() + c.args[3].double()
+
+    def one_side_rescaled(c):
+        m1, l1, m2, l2 = (a.double() for a in c.args)
+        m = torch.maximum(m1, m2)
+        return l1 * torch.exp(m1 - m) + l2
+
+    def inverted(c):
+        m1, l1, m2, l2 = (a.double() for a in c.args)
+        m = torch.maximum(m1, m2)
+        return l1 * torch.exp(m - m1) + l2 * torch.exp(m - m2)
+
+    return [
+        Bug("l1 and l2 were summed against different maxima: rescale each to the new max, "
+            "l = l1 * exp(m1 - m) + l2 * exp(m2 - m)", no_rescale),
+        Bug("only l1 was rescaled: l2 also needs exp(m2 - m)", one_side_rescaled),
+        Bug("the rescale factor is upside down: exp(m_i - m), which is <= 1", inverted),
+    ]
+
+
+@exercise("merge_ml", arg_names=["m1", "l1", "m2", "l2"], reference="torch.logsumexp")
+def merge_ml(g):
+    bugs = _merge_models()
+    for case in _merge_cases():
+        out = g.call(case)
+        m_got, l_got = g.expect_tuple(out, 2, "(m, l)")
+        shape = case.args[0].shape
+        g.expect_tensor(m_got, "m", shape=shape, dtype=torch.float32)
+        g.expect_tensor(l_got, "l", shape=shape, dtype=torch.float32)
+        m_ref, l_ref = reference.merge_ml(*case.args)
+        both_empty = ("both statistics were -inf: exp(-inf - -inf) is NaN; use a safe max "
+                      "(where m is -inf, rescale by 0 or use m_safe = where(m == -inf, 0, m))")
+        g.compare(m_got, m_ref, "m", hint="m = max(m1, m2)")
+        g.compare(l_got, l_ref, "l", rtol=1e-5, bugs=bugs, nan_hint=both_empty,
+                  hint="l = l1 * exp(m1 - m) + l2 * exp(m2 - m)")
+        g.count()
+
+
+# ------------------------------------------------------------------ blockwise_stats
+def _block_cases():
+    g = _gen(4)
+    x = torch.randn(5, 23, generator=g) * 3
+    holes = x.clone()
+    holes[1, :7] = NEG_INF       # the first blocks of row 1 are empty
+    holes[3, :] = NEG_INF        # row 3 is fully masked
+    holes[4, 10:] = NEG_INF      # the last blocks of row 4 are empty
+    return [
+        Case("random, ragged last block", x, 4),
+        Case("Bc = 1", x[:2], 1),
+        Case("Bc = n (one block)", x, 23),
+        Case("Bc > n (a tile larger than the input)", x, 64),
+        Case("n = 1", x[:, :1], 3),
+        Case("one row", x[:1], 5),
+        Case("empty blocks and a fully masked row", holes, 3,
+             note="row 3 is all -inf; rows 1 and 4 have blocks that are all -inf"),
+        Case("large logits", x * 40 + 2000, 6),
+        Case("random, wide", torch.randn(3, 200, generator=g), 16),
+    ]
+
+
+def _blockwise_ref_dropping_last(c):
+    x, Bc = c.args
+    n = x.shape[1]
+    full = (n // Bc) * Bc
+    if full == 0:
+        raise ValueError("no full block")
+    return reference.softmax_stats(x[:, :full])[1]
+
+
+def _blockwise_no_rescale(c):
+    x, Bc = c.args
+    l = torch.zeros(x.shape[0], dtype=torch.float64)
+    m = torch.full((x.shape[0],), NEG_INF, dtype=torch.float64)
+    for j in range(0, x.shape[1], Bc):
+        mj, lj = reference.softmax_stats(x[:, j:j + Bc])
+        m = torch.maximum(m, mj)
+        l = l + lj
+    return l
+
+
+@exercise("blockwise_stats", arg_names=["x", "Bc"], reference="torch.logsumexp")
+def blockwise_stats(g):
+    bugs = [
+        Bug("the last, ragged block was dropped: range(0, n, Bc) with x[:, j:j+Bc] covers it",
+            _blockwise_ref_dropping_last),
+        Bug("each block's l was added as it is: rescale the running l and the block's l to the new max "
+            "(that is merge_ml)", _blockwise_no_rescale),
+    ]
+    for case in _block_cases():
+        x, Bc = case.args
+        out = g.call(case)
+        m_got, l_got = g.expect_tuple(out, 2, "(m, l)")
+        g.expect_tensor(m_got, "m", shape=(x.shape[0],), dtype=torch.float32)
+        g.expect_tensor(l_got, "l", shape=(x.shape[0],), dtype=torch.float32)
+        m_ref, l_ref = reference.softmax_stats(x)
+        g.compare(m_got, m_ref, "m", hint="m is the row max over all blocks")
+        g.compare(l_got, l_ref, "l", rtol=1e-5, bugs=bugs,
+                  nan_hint="a block that is all -inf for some row has (-inf, 0): computing its l as "
+                           "exp(x - max) gives exp(-inf - -inf) = NaN; use a safe max (0 where the max is -inf)")
+        g.count()
+    # the idea: a block at a time, never a tensor as wide as the row
+    x = torch.randn(4, 48, generator=_gen(5))
+    g.case = Case("blocks only (metered)", x, 8)
+    r = meter.measure(g.fn, x.clone(), 8, names=["x"])
+    if r.largest.numel > 4 * 8:
+        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}); "
+               "with Bc = 8 nothing wider than [R, Bc] = [4, 8] is needed",
+               hint="compute each block's (m, l) from x[:, j:j+Bc] alone and merge: a kernel never holds "
+                    "the whole row")
+
+
+# ------------------------------------------------------------------ lse_from_stats
+def _lse_cases():
+    g = _gen(6)
+    t = torch.tensor
+    return [
+        Case("random", torch.randn(16, generator=g), torch.rand(16, generator=g) * 10 + 1),
+        Case("l = 1 (one dominant element)", t([0.0, 3.0, -2.0]), t([1.0, 1.0, 1.0])),
+        Case("empty rows (-inf, 0)", t([NEG_INF, 2.0, NEG_INF]), t([0.0, 3.0, 0.0])),
+        Case("large m (exp(m) overflows)", t([1e4, 5e3, -1e4]), t([2.0, 7.0, 1.5])),
+    ]
+
+
+@exercise("lse_from_stats", arg_names=["m", "l"], reference="torch.logsumexp")
+def lse_from_stats(g):
+    bugs = [
+        Bug("that is the row max m, not the LSE: lse = m + log(l)", lambda c: c.args[0]),
+        Bug("that is log2: the course's lse is the natural log, m + ln(l)",
+            lambda c: (c.args[0].double() + torch.log(c.args[1].double())) / math.log(2)),
+        Bug("that is log(l) alone: add m back, lse = m + log(l)", lambda c: torch.log(c.args[1].double())),
+    ]
+    for case in _lse_cases():
+        out = g.call(case)
+        lse = g.expect_tensor(out, "lse", shape=case.args[0].shape, dtype=torch.float32)
+        g.compare(lse, reference.lse_from_stats(*case.args), "lse", rtol=1e-6, bugs=bugs,
+                  hint="log(exp(m) * l) overflows for large m: use m + log(l)")
+        g.count()

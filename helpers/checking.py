@@ -1,0 +1,344 @@
+"""The grading framework behind ``helpers.check``.
+
+A checker is a function ``grade(g)`` decorated with ``@exercise("name")``. It draws
+cases, calls the learner's function through ``g.call`` (which hands over copies and
+catches the usual mistakes), and compares with a float64 reference through
+``g.compare`` (which reports the worst mismatch and names the likely bug). What the
+learner sees is one line:
+
+    ✅ merge_ml: 48 cases match torch.logsumexp, max rel err 3e-07
+    ⏳ merge_ml: not attempted yet
+    ❌ merge_ml: case 'both sides empty' ... (a CheckFailure, an AssertionError)
+
+``COURSE_STRICT=1`` turns "not attempted" into a failure (``make check`` runs the
+worked solutions that way). In IPython a ``CheckFailure`` is shown as its message
+alone, without a traceback through this package.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["CheckFailure", "Case", "Grader", "exercise", "REGISTRY", "strict", "Bug"]
+
+_HERE = Path(__file__).resolve().parent
+REGISTRY: dict = {}
+
+
+class CheckFailure(AssertionError):
+    """A learner's function gave a wrong answer (the message says which, where, and why)."""
+
+
+class _NotAttempted(Exception):
+    pass
+
+
+def strict() -> bool:
+    return os.environ.get("COURSE_STRICT", "") == "1"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return f"{v:.6g}"
+    return repr(v)
+
+
+def _describe(v, name=None) -> str:
+    """A short description of an argument: small tensors in full, large ones by shape."""
+    if isinstance(v, torch.Tensor):
+        dt = str(v.dtype).replace("torch.", "")
+        if v.numel() <= 8:
+            vals = ", ".join(_fmt(x) for x in v.flatten().tolist())
+            return f"{dt}{list(v.shape)} = [{vals}]"
+        return f"{dt}{list(v.shape)}"
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
+        return f"{type(v).__name__} of {len(v)} tensors (" + ", ".join(_describe(x) for x in v[:3]) + \
+            (", ..." if len(v) > 3 else "") + ")"
+    return _fmt(v)
+
+
+@dataclass
+class Case:
+    """One set of inputs, with a name a learner can read: ``Case("N=1", q, k, v, Br=4)``."""
+    name: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    note: str = ""      # optional: what this case is for (shown on failure)
+
+    def __init__(self, name, *args, note="", **kwargs):
+        self.name, self.args, self.kwargs, self.note = name, args, kwargs, note
+
+    def describe(self, arg_names=None) -> str:
+        parts = []
+        for i, a in enumerate(self.args):
+            label = arg_names[i] if arg_names and i < len(arg_names) else f"arg{i}"
+            parts.append(f"{label}: {_describe(a)}")
+        parts += [f"{k}={_fmt(v)}" for k, v in self.kwargs.items()]
+        return ", ".join(parts)
+
+
+@dataclass
+class Bug:
+    """A known mistake: ``model(case) -> the output that mistake gives`` and the hint for it."""
+    hint: str
+    model: object  # callable(case) -> tensor/number, or tuple of them
+
+
+def _clone(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, (list, tuple)):
+        return type(v)(_clone(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _clone(x) for k, x in v.items()}
+    return v
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.nan_to_num(0.123), b.nan_to_num(0.123))) \
+            and bool((a.isnan() == b.isnan()).all())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return True
+
+
+def _where_in_learner_code(tb) -> str:
+    """The last frame of the traceback that is not in helpers/ or in torch: the learner's line."""
+    frames = [f for f in traceback.extract_tb(tb)
+              if not f.filename.startswith(str(_HERE)) and "site-packages" not in f.filename
+              and "/torch/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    where = "your cell" if f.filename.startswith("<") or "ipykernel" in f.filename else Path(f.filename).name
+    line = f"  `{f.line.strip()}`" if f.line else ""
+    return f" at line {f.lineno} of {where} (in {f.name}){line}"
+
+
+class Grader:
+    """Calls the learner's function on cases and compares the answers; counts what matched."""
+
+    def __init__(self, name, fn, arg_names=None):
+        self.name, self.fn, self.arg_names = name, fn, arg_names
+        self.case = None
+        self.cases = 0
+        self.max_rel_err = 0.0
+        self.notes = []
+
+    # ----------------------------------------------------------------- failing
+    def fail(self, what: str, hint: str = "", case: Case | None = None):
+        case = case or self.case
+        lines = [f"❌ {self.name}: {what}"]
+        if case is not None:
+            lines.append(f"   case '{case.name}': {case.describe(self.arg_names)}")
+            if case.note:
+                lines.append(f"   ({case.note})")
+        if hint:
+            lines.append(f"   hint: {hint}")
+        raise CheckFailure("\n".join(lines))
+
+    # ----------------------------------------------------------------- calling
+    def call(self, case: Case, fn=None):
+        """Call the learner's function on copies of the case's inputs; return its output."""
+        self.case = case
+        fn = fn or self.fn
+        args, kwargs = _clone(case.args), _clone(case.kwargs)
+        try:
+            out = fn(*args, **kwargs)
+        except NotImplementedError:
+            raise _NotAttempted from None
+        except CheckFailure:
+            raise
+        except Exception as e:  # noqa: BLE001 - any error in learner code becomes a verdict
+            where = _where_in_learner_code(e.__traceback__)
+            self.fail(f"your function raised {type(e).__name__}: {e}{where}",
+                      hint=_hint_for_exception(e))
+        for i, (before, after) in enumerate(zip(case.args, args)):
+            if not _same(before, after):
+                label = self.arg_names[i] if self.arg_names and i < len(self.arg_names) else f"argument {i}"
+                self.fail(f"your function changed its input `{label}` in place",
+                          hint="never write into the inputs (e.g. `q *= scale`, `x[i] = ...`, `.sub_()`): "
+                               "a kernel reads Q, K, V and writes only O; work on a new tensor")
+        if out is None:
+            self.fail("your function returned None", hint="did you forget the `return` line?")
+        return out
+
+    def count(self, n: int = 1):
+        self.cases += n
+
+    # ----------------------------------------------------------------- outputs
+    def expect_tuple(self, out, n: int, what: str):
+        if not isinstance(out, (tuple, list)) or len(out) != n:
+            got = f"a {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+            self.fail(f"expected {what}, got {got}",
+                      hint=f"return the {n} values as a tuple: `return {what.strip('()')}`")
+        return tuple(out)
+
+    def expect_float(self, v, what: str) -> float:
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            return float(v.item())
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            self.fail(f"`{what}` should be a Python float, got {type(v).__name__}",
+                      hint="convert with float(...) when you return it")
+        return float(v)
+
+    def expect_tensor(self, t, what: str, shape=None, dtype=None, device=None):
+        if not isinstance(t, torch.Tensor):
+            self.fail(f"`{what}` should be a torch.Tensor, got {type(t).__name__}",
+                      hint="build the result with torch ops (torch.stack, torch.empty, ...)")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            self.fail(f"`{what}` has shape {list(t.shape)}, expected {list(shape)}",
+                      hint="check which dimension you reduced over and whether you dropped the last, "
+                           "ragged tile (range(0, N, Br) and slicing q[i:i+Br] handle it)")
+        if dtype is not None and t.dtype != dtype:
+            self.fail(f"`{what}` has dtype {t.dtype}, expected {dtype}",
+                      hint="return the same dtype as the inputs (compute in float32, or cast back at the end)")
+        if device is not None and t.device != torch.device(device):
+            self.fail(f"`{what}` is on {t.device}, expected {device}",
+                      hint="allocate outputs on the inputs' device: torch.empty(..., device=q.device)")
+        return t
+
+    def compare(self, got, want, what: str, *, rtol=1e-5, atol=1e-6, bugs=(), hint="", nan_hint=""):
+        """Compare ``got`` with the float64 reference ``want``; record the error; fail with the worst index.
+
+        ``-inf``/``inf`` in ``want`` must be matched exactly; NaN never passes (and gets
+        ``nan_hint``). On another mismatch, each ``Bug`` model is computed and, if the
+        learner's output matches it, that bug's hint is given; else ``hint``.
+        """
+        got_t = got if isinstance(got, torch.Tensor) else torch.tensor(float(got))
+        want_t = want if isinstance(want, torch.Tensor) else torch.tensor(float(want))
+        g = got_t.detach().to(torch.float64).cpu().reshape(want_t.shape) if got_t.numel() == want_t.numel() \
+            else got_t.detach().to(torch.float64).cpu()
+        w = want_t.detach().to(torch.float64).cpu()
+        if g.shape != w.shape:
+            self.fail(f"`{what}` has shape {list(got_t.shape)}, expected {list(want_t.shape)}")
+        bad_nan = g.isnan() & ~w.isnan()
+        inf_w = w.isinf()
+        bad_inf = (inf_w & (g != w)) | (~inf_w & g.isinf())
+        finite = ~w.isinf() & ~w.isnan() & ~g.isnan() & ~g.isinf()
+        err = torch.zeros_like(w)
+        err[finite] = (g[finite] - w[finite]).abs()
+        tol = atol + rtol * w.abs().nan_to_num(0, 0, 0)
+        bad = bad_nan | bad_inf | (finite & (err > tol))
+        scale = w[finite].abs().max().item() if finite.any() else 1.0
+        rel = (err.max().item() / max(scale, 1e-30)) if finite.any() else 0.0
+        if not bad.any():
+            self.max_rel_err = max(self.max_rel_err, rel)
+            return rel
+        # the worst mismatch: NaN/inf first, then the largest error over tolerance
+        score = torch.where(bad_nan | bad_inf, torch.full_like(err, math.inf), err / tol)
+        score = torch.where(bad, score, torch.full_like(err, -1.0))
+        idx = tuple(int(i) for i in torch.unravel_index(score.flatten().argmax(), w.shape)) if w.dim() else ()
+        gv, wv = g[idx].item(), w[idx].item()
+        n_bad, n = int(bad.sum()), w.numel()
+        where = f" at index {idx}" if idx else ""
+        what_line = (f"`{what}`{where}: got {_fmt(gv)}, expected {_fmt(wv)}"
+                     + (f" (abs err {abs(gv - wv):.3g})" if math.isfinite(gv) and math.isfinite(wv) else "")
+                     + f"; {n_bad} of {n} values wrong")
+        if bad_nan.any():
+            found = nan_hint or ("NaN appeared where the answer is a number: look for exp(-inf - (-inf)), "
+                                 "0 * inf or 0 / 0 (a row or block with nothing in it)")
+        else:
+            found = self._match_bug(got_t, bugs)
+        if not found:
+            if bad_inf.any() and math.isinf(wv):
+                found = "the answer here is -inf (nothing to attend to): keep it -inf, don't replace it with a number"
+            else:
+                found = hint
+        self.fail(what_line, hint=found)
+
+    def _match_bug(self, got, bugs):
+        for bug in bugs:
+            try:
+                model = bug.model(self.case)
+            except Exception:  # noqa: BLE001 - a bug model that cannot run on this case says nothing
+                continue
+            if isinstance(model, (tuple, list)):
+                continue
+            m = model if isinstance(model, torch.Tensor) else torch.tensor(float(model))
+            if m.numel() != got.numel():
+                continue
+            a, b = got.detach().double().cpu().reshape(m.shape), m.detach().double().cpu()
+            if torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True):
+                return bug.hint
+        return ""
+
+
+def _hint_for_exception(e: Exception) -> str:
+    msg = str(e)
+    if isinstance(e, (RuntimeError, ValueError)) and ("size" in msg or "shape" in msg or "match" in msg):
+        return ("a shape mismatch: write the shape next to each line ([Br, d] @ [d, Bc] -> [Br, Bc]) and "
+                "mind the last tile, which can be smaller than Br or Bc")
+    if isinstance(e, IndexError):
+        return "an index ran past the end: the last tile can be smaller than the tile size"
+    if isinstance(e, TypeError):
+        return "check the argument names and types: the signature is given in the exercise"
+    if isinstance(e, (ZeroDivisionError, ValueError)) and ("math domain" in msg or "division" in msg):
+        return "a division by zero or log of zero: an empty row has l = 0; guard it"
+    if isinstance(e, OverflowError):
+        return "math.exp overflowed: subtract the running max before exponentiating"
+    return ""
+
+
+def exercise(name: str, arg_names=None, reference: str = "the float64 reference"):
+    """Register ``grade(g) -> str | None`` as the checker ``check.<name>(fn)``.
+
+    ``grade`` returns the tail of the pass line; by default "N cases match <reference>,
+    max rel err E".
+    """
+    def decorate(grade):
+        @functools.wraps(grade)
+        def checker(fn):
+            if not callable(fn):
+                raise CheckFailure(f"❌ {name}: pass your function itself, e.g. check.{name}({name}), "
+                                   f"not a {type(fn).__name__}") from None
+            g = Grader(name, fn, arg_names)
+            try:
+                summary = grade(g)
+            except _NotAttempted:
+                if strict():
+                    raise CheckFailure(f"❌ {name}: not attempted (COURSE_STRICT=1): the stub still raises "
+                                       "NotImplementedError") from None
+                print(f"⏳ {name}: not attempted yet")
+                return None
+            except CheckFailure as e:
+                raise CheckFailure(str(e)) from None
+            if summary is None:
+                summary = f"{g.cases} cases match {reference}, max rel err {g.max_rel_err:.0e}"
+            print(f"✅ {name}: {summary}")
+            return None
+        checker.exercise_name = name
+        REGISTRY[name] = checker
+        return checker
+    return decorate
+
+
+def _install_ipython_handler():
+    """Show a CheckFailure in Jupyter as its message, not as a traceback through helpers."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is None or getattr(ip, "_course_handler", False):
+        return
+
+    def show(shell, etype, value, tb, tb_offset=None):
+        return [str(value)]
+
+    ip.set_custom_exc((CheckFailure,), show)
+    ip._course_handler = True
+
+
+_install_ipython_handler()

@@ -1,0 +1,72 @@
+"""The float64 references every checker compares against.
+
+Attention goes through ``torch.nn.functional.scaled_dot_product_attention`` (SDPA)
+and the log-sum-exp through ``torch.logsumexp``, both on float64 copies. The course's
+convention for a row with nothing to attend to (FlashAttention's): O = 0, lse = -inf.
+CPU lessons work per head: q ``[N, d]``, k and v ``[Nk, d]``, scale ``1/sqrt(d)``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["softmax_stats", "merge_ml", "lse_from_stats", "causal_mask", "attention"]
+
+
+def softmax_stats(x: torch.Tensor, dim: int = -1):
+    """(m, l) of x along ``dim`` in float64: m = max, l = sum(exp(x - m)); (-inf, 0) when empty."""
+    x = x.double()
+    m = x.amax(dim=dim)
+    lse = torch.logsumexp(x, dim=dim)
+    l = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(lse), torch.exp(lse - m))
+    return m, l
+
+
+def merge_ml(m1, l1, m2, l2):
+    """The merge of two (m, l) statistics, in float64, through log-sum-exp."""
+    m1, l1, m2, l2 = (torch.as_tensor(t, dtype=torch.float64) for t in (m1, l1, m2, l2))
+    m = torch.maximum(m1, m2)
+    lse = torch.logaddexp(m1 + torch.log(l1), m2 + torch.log(l2))
+    l = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(lse), torch.exp(lse - m))
+    return m, l
+
+
+def lse_from_stats(m, l):
+    m, l = torch.as_tensor(m, dtype=torch.float64), torch.as_tensor(l, dtype=torch.float64)
+    return torch.where(l > 0, m + torch.log(l), torch.full_like(m, -math.inf))
+
+
+def causal_mask(N: int, Nk: int, align: str = "top_left", device=None) -> torch.Tensor:
+    """bool [N, Nk], True where query i may see key j.
+
+    top_left (SDPA's ``is_causal=True``): j <= i.  bottom_right (the FlashAttention
+    library since 2.1): j <= i + (Nk - N), so the last query sees every key.
+    """
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    i = torch.arange(N, device=device)[:, None]
+    j = torch.arange(Nk, device=device)[None, :]
+    offset = 0 if align == "top_left" else Nk - N
+    return j <= i + offset
+
+
+def attention(q, k, v, mask=None, scale=None):
+    """(O, lse) of softmax(q k^T * scale) v in float64, via SDPA and torch.logsumexp.
+
+    q ``[..., N, d]``, k ``[..., Nk, d]``, v ``[..., Nk, dv]``; ``mask`` bool broadcastable
+    to ``[..., N, Nk]``, True = may attend. Fully masked rows: O = 0, lse = -inf.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale                       # [..., N, Nk]
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)                            # [..., N]
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float64), lse
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    empty = torch.isneginf(lse)
+    o = torch.where(empty[..., None], torch.zeros_like(o), o)   # SDPA gives NaN there
+    return o, lse

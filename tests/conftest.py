@@ -1,0 +1,67 @@
+"""Shared test tools: the functions a worked (or generated learner) notebook defines.
+
+The worked notebook is the one source of each solution, so the tests take the
+solutions from it: every top-level ``import``, ``def`` and constant assignment of its
+code cells, executed in one namespace (plots, widgets and check calls are skipped).
+"""
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from helpers.generate import stub_source
+
+ROOT = Path(__file__).resolve().parent.parent
+_KEEP = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
+
+
+def _is_constant_assign(node) -> bool:
+    return isinstance(node, (ast.Assign, ast.AnnAssign)) and all(
+        isinstance(n, (ast.Constant, ast.Name, ast.Attribute, ast.UnaryOp, ast.BinOp, ast.Tuple))
+        for n in [node.value] if n is not None)
+
+
+def notebook_namespace(name: str, learner: bool = False) -> dict:
+    """Definitions of ``solutions/<name>.ipynb`` (or its generated learner version)."""
+    nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
+    ns: dict = {"__name__": f"notebook_{name}"}
+    for cell in nb.cells:
+        if cell.cell_type != "code" or "solution-only" in cell.metadata.get("tags", []) and learner:
+            continue
+        src = stub_source(cell.source) if learner else cell.source
+        src = "\n".join(l for l in src.split("\n") if not l.lstrip().startswith(("%", "!")))
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        keep = [n for n in tree.body if isinstance(n, _KEEP) or _is_constant_assign(n)]
+        exec(compile(ast.Module(body=keep, type_ignores=[]), f"<{name}>", "exec"), ns)  # noqa: S102
+    return ns
+
+
+@pytest.fixture
+def strict(monkeypatch):
+    monkeypatch.setenv("COURSE_STRICT", "1")
+
+
+@pytest.fixture
+def not_strict(monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT", raising=False)
+
+
+def rejects(checker, fn, *hint_words):
+    """Assert that ``checker(fn)`` fails and that its message holds every one of ``hint_words``."""
+    from helpers.checking import CheckFailure
+    with pytest.raises(CheckFailure) as info:
+        checker(fn)
+    msg = str(info.value)
+    for w in hint_words:
+        assert w in msg, f"expected {w!r} in the verdict:\n{msg}"
+    return msg
+
+
+os.environ.setdefault("MPLBACKEND", "Agg")
