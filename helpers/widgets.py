@@ -3,8 +3,7 @@
 ``stepper(render, n_steps)`` puts a slider and a play button over ``render(step)``;
 ``explorer(render, N=(1, 64, 1, 16), align=["top_left", "bottom_right"])`` puts one
 control per keyword over ``render(**values)``. Both call ``render`` once with the
-initial values at once, so without a widget frontend (nbval, a plain kernel) the cell
-still shows a static picture of the first state.
+initial values at once (into the widget's output area).
 """
 from __future__ import annotations
 
