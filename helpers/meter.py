@@ -15,8 +15,12 @@ Everything else is "SRAM": tiles and temporaries. The meter reports
 - ``flops``: from ``torch.utils.flop_counter`` (matrix products: 2·M·N·K each),
 - ``largest``: the largest SRAM tensor made (numel, shape, op), which is how the
   checkers catch an N x Nk score matrix,
-- ``hbm_read_bytes`` / ``hbm_write_bytes``: bytes of HBM read and written by ops
-  (a slice read by a matmul counts its bytes, each time it is read),
+- ``hbm_read_bytes`` / ``hbm_write_bytes``: bytes of HBM read and written. Taking a
+  slice of an HBM tensor (``Qi = q[i:i+Br]``) and then reading it is one *load* of
+  that tile: later reads of the same tile (or of views of it, like ``Kj.T``) are
+  free, as they would be from SRAM. Slicing again (a new ``q[i:i+Br]`` in the next
+  iteration) is a new load. Writing into a slice (``O[i:i+Br] = ...``) is a write
+  each time and reads nothing.
 - ``reads`` / ``writes``: the same, per named tensor (``q``, ``k``, ``v``, ``out``,
   and ``buffer0``, ``buffer1``, ... for the piecewise-updated buffers),
 - ``elementwise``: how many elements each pointwise op touched (``div``, ``exp``...),
@@ -112,6 +116,8 @@ class _Recorder(TorchDispatchMode):
         self.piecewise = {}  # storage keys written through a strict sub-view, in first-write order
         self.elementwise = Counter()
         self.ops = Counter()
+        self.tile_of = {}       # id(view tensor) -> tile number (views of views share it)
+        self.loaded = set()     # tile numbers already read once
 
     def _key(self, t):
         s = t.untyped_storage()
@@ -123,7 +129,17 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         self.ops[name] += 1
-        if func.is_view or name in _NO_READ:
+        if func.is_view:
+            src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            tile = self.tile_of.get(id(src)) if src is not None else None
+            if tile is None:
+                tile = len(self.tile_of) + 1
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    self.keep.append(o)
+                    self.tile_of[id(o)] = tile if not isinstance(out, (list, tuple)) else len(self.tile_of) + 1
+            return out
+        if name in _NO_READ:
             return out
         schema = func._schema
         written_args = set()
@@ -147,6 +163,11 @@ class _Recorder(TorchDispatchMode):
                 if not whole:
                     self.piecewise.setdefault(key, len(self.piecewise))
             if not is_written or name not in _FILL:
+                tile = self.tile_of.get(id(t))
+                if tile is not None and tile in self.loaded:
+                    continue  # this tile is already in SRAM
+                if tile is not None and not is_written:
+                    self.loaded.add(tile)
                 reads.append((key, _bytes(t), _span(t)))
         if not written_args:  # a functional op: its outputs are new tensors
             outs, _ = tree_flatten(out)
