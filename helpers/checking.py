@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckFailure", "Case", "Grader", "exercise", "REGISTRY", "strict", "Bug"]
+__all__ = ["CheckFailure", "Case", "Grader", "exercise", "REGISTRY", "strict", "Bug", "attempted"]
 
 _HERE = Path(__file__).resolve().parent
 REGISTRY: dict = {}
@@ -41,6 +41,24 @@ class _NotAttempted(Exception):
 
 def strict() -> bool:
     return os.environ.get("COURSE_STRICT", "") == "1"
+
+
+def attempted(fn, *example_args, **example_kwargs) -> bool:
+    """True when ``fn`` runs on the example input; False while it is the stub or raises.
+
+    Notebooks use it to draw a picture from the learner's function once it works,
+    and from the reference until then (saying so).
+    """
+    name = getattr(fn, "__name__", "your function")
+    try:
+        fn(*example_args, **example_kwargs)
+    except NotImplementedError:
+        print(f"({name} is not written yet: this cell uses the reference instead)")
+        return False
+    except Exception as e:  # noqa: BLE001 - the check cell says what broke; the picture goes on
+        print(f"({name} raised {type(e).__name__}: {e}; this cell uses the reference instead)")
+        return False
+    return True
 
 
 def _fmt(v) -> str:

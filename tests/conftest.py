@@ -20,9 +20,10 @@ _KEEP = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
 
 
 def _is_constant_assign(node) -> bool:
-    return isinstance(node, (ast.Assign, ast.AnnAssign)) and all(
-        isinstance(n, (ast.Constant, ast.Name, ast.Attribute, ast.UnaryOp, ast.BinOp, ast.Tuple))
-        for n in [node.value] if n is not None)
+    """``N, heads = 8192, 32`` or ``MiB = 2**20``: literals and arithmetic on them only."""
+    return isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and all(
+        isinstance(n, (ast.Constant, ast.UnaryOp, ast.BinOp, ast.Tuple, ast.operator, ast.unaryop, ast.Load))
+        for n in ast.walk(node.value))
 
 
 def notebook_namespace(name: str, learner: bool = False) -> dict:

@@ -1,0 +1,257 @@
+"""Lesson 01's checkers: the worked solution passes, the stub fails strict, planted bugs are named."""
+import math
+
+import pytest
+import torch
+
+from helpers import check
+from helpers.lesson01 import online_trace, score_bytes, stats_bytes
+from conftest import notebook_namespace, rejects
+
+NB = "01_online_softmax"
+EXERCISES = ["online_softmax_stats", "merge_ml", "blockwise_stats", "lse_from_stats"]
+
+
+@pytest.fixture(scope="module")
+def sol():
+    return notebook_namespace(NB)
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_solution_passes(sol, name, capsys):
+    getattr(check, name)(sol[name])
+    assert f"✅ {name}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_stub_fails_strict(name, strict):
+    learner = notebook_namespace(NB, learner=True)
+    rejects(getattr(check, name), learner[name], "not attempted")
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_stub_not_attempted_when_not_strict(name, not_strict, capsys):
+    learner = notebook_namespace(NB, learner=True)
+    getattr(check, name)(learner[name])
+    assert f"⏳ {name}: not attempted yet" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ online_softmax_stats
+def stats_forgot_rescale(x):
+    m, l = -math.inf, 0.0
+    for xi in x:
+        xi = float(xi)
+        m = max(m, xi)
+        if m > -math.inf:
+            l += math.exp(xi - m)
+    return m, l
+
+
+def stats_nan_on_empty(x):
+    m, l = -math.inf, 0.0
+    for xi in x:
+        xi = float(xi)
+        m_new = max(m, xi)
+        l = l * math.exp(m - m_new) + math.exp(xi - m_new)
+        m = m_new
+    return m, l
+
+
+def stats_two_pass(x):
+    m = x.max()
+    m_safe = m if m > -math.inf else torch.tensor(0.0)
+    return float(m), float(torch.exp(x - m_safe).sum())
+
+
+def stats_no_max(x):
+    l = 0.0
+    for xi in x:
+        l += math.exp(min(float(xi), 700.0))
+    return max(float(v) for v in x), l
+
+
+def test_stats_forgot_rescale(sol):
+    rejects(check.online_softmax_stats, stats_forgot_rescale, "multiply it by exp(m_old - m_new)")
+
+
+def test_stats_nan_on_empty_row(sol):
+    rejects(check.online_softmax_stats, stats_nan_on_empty, "all -inf", "NaN")
+
+
+def test_stats_two_pass_rejected_though_right():
+    msg = rejects(check.online_softmax_stats, stats_two_pass, "one operation", "2- or 3-pass")
+    assert "one pass (metered)" in msg
+
+
+def test_stats_without_max():
+    rejects(check.online_softmax_stats, stats_no_max, "subtract the max")
+
+
+def test_stats_another_correct_way():
+    def online_via_lse(x):  # keeps lse instead of (m, l); still one pass
+        lse = -math.inf
+        for xi in x.tolist():
+            hi, lo = max(lse, xi), min(lse, xi)
+            lse = hi if lo == -math.inf else hi + math.log1p(math.exp(lo - hi))
+        return (max(x.tolist()), math.exp(lse - max(x.tolist()))) if lse > -math.inf else (-math.inf, 0.0)
+    check.online_softmax_stats(online_via_lse)
+
+
+def test_stats_wrong_types():
+    rejects(check.online_softmax_stats, lambda x: None, "returned None", "return")
+    rejects(check.online_softmax_stats, lambda x: 1.0, "expected (m, l)")
+    rejects(check.online_softmax_stats, lambda x: ("a", "b"), "Python float")
+
+
+# ------------------------------------------------------------------ merge_ml
+def merge_no_safe_max(m1, l1, m2, l2):
+    m = torch.maximum(m1, m2)
+    return m, l1 * torch.exp(m1 - m) + l2 * torch.exp(m2 - m)
+
+
+def merge_plain_sum(m1, l1, m2, l2):
+    return torch.maximum(m1, m2), l1 + l2
+
+
+def merge_one_side(m1, l1, m2, l2):
+    m = torch.maximum(m1, m2)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    return m, l1 * torch.exp(m1 - m_safe) + l2
+
+
+def merge_in_place(m1, l1, m2, l2):
+    m = torch.maximum(m1, m2)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    l1 *= torch.exp(m1 - m_safe)
+    return m, l1 + l2 * torch.exp(m2 - m_safe)
+
+
+def merge_via_exp(m1, l1, m2, l2):  # exp(m) * l overflows for large m
+    lse = torch.log(torch.exp(m1) * l1 + torch.exp(m2) * l2)
+    m = torch.maximum(m1, m2)
+    return m, torch.where(torch.isinf(m), torch.zeros_like(m), torch.exp(lse - m))
+
+
+def test_merge_nan_when_both_empty():
+    rejects(check.merge_ml, merge_no_safe_max, "both statistics were -inf: exp(-inf - -inf) is NaN; use a safe max")
+
+
+def test_merge_plain_sum():
+    rejects(check.merge_ml, merge_plain_sum, "summed against different maxima")
+
+
+def test_merge_one_side_rescaled():
+    rejects(check.merge_ml, merge_one_side, "only l1 was rescaled")
+
+
+def test_merge_changes_inputs():
+    rejects(check.merge_ml, merge_in_place, "changed its input `l1` in place")
+
+
+def test_merge_overflow():
+    rejects(check.merge_ml, merge_via_exp, "large maxima", "exp(m) overflows")
+
+
+def test_merge_wrong_dtype():
+    def merge64(m1, l1, m2, l2):
+        m, l = merge_ml_ref(m1, l1, m2, l2)
+        return m.double(), l.double()
+    rejects(check.merge_ml, merge64, "dtype torch.float64, expected torch.float32")
+
+
+def merge_ml_ref(m1, l1, m2, l2):
+    """Another correct way: the larger side keeps its l, the smaller one is scaled down."""
+    first = m1 >= m2
+    m = torch.where(first, m1, m2)
+    big_l, small_l = torch.where(first, l1, l2), torch.where(first, l2, l1)
+    gap = torch.where(first, m2 - m1, m1 - m2).nan_to_num(nan=-math.inf)   # <= 0; -inf - -inf -> -inf
+    return m, big_l + small_l * torch.exp(gap)
+
+
+def test_merge_another_correct_way():
+    check.merge_ml(merge_ml_ref)
+
+
+# ------------------------------------------------------------------ blockwise_stats
+def test_blockwise_drops_ragged_block(sol):
+    merge = sol["merge_ml"]
+
+    def drop_last(x, Bc):
+        R, n = x.shape
+        m, l = torch.full((R,), -math.inf), torch.zeros(R)
+        for j in range(0, n - Bc + 1, Bc):
+            b = x[:, j:j + Bc]
+            mj = b.amax(1)
+            ms = torch.where(torch.isinf(mj), torch.zeros_like(mj), mj)
+            m, l = merge(m, l, mj, torch.exp(b - ms[:, None]).sum(1))
+        return m, l
+    rejects(check.blockwise_stats, drop_last, "ragged block was dropped")
+
+
+def test_blockwise_nan_in_empty_block(sol):
+    merge = sol["merge_ml"]
+
+    def unsafe(x, Bc):
+        R, n = x.shape
+        m, l = torch.full((R,), -math.inf), torch.zeros(R)
+        for j in range(0, n, Bc):
+            b = x[:, j:j + Bc]
+            mj = b.amax(1)
+            m, l = merge(m, l, mj, torch.exp(b - mj[:, None]).sum(1))
+        return m, l
+    rejects(check.blockwise_stats, unsafe, "safe max")
+
+
+def test_blockwise_whole_row_rejected_though_right():
+    def whole_row(x, Bc):
+        m = x.amax(1)
+        ms = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        return m, torch.exp(x - ms[:, None]).sum(1)
+    rejects(check.blockwise_stats, whole_row, "made a tensor of shape", "never holds")
+
+
+def test_blockwise_another_correct_way():
+    def via_logsumexp_blocks(x, Bc):
+        lse = torch.full((x.shape[0],), -math.inf)
+        for j in range(0, x.shape[1], Bc):
+            lse = torch.logaddexp(lse, torch.logsumexp(x[:, j:j + Bc], dim=1))
+        m = torch.full((x.shape[0],), -math.inf)
+        for j in range(0, x.shape[1], Bc):
+            m = torch.maximum(m, x[:, j:j + Bc].amax(1))
+        return m, torch.where(torch.isinf(m), torch.zeros_like(m), torch.exp(lse - m))
+    check.blockwise_stats(via_logsumexp_blocks)
+
+
+# ------------------------------------------------------------------ lse_from_stats
+@pytest.mark.parametrize("bug, words", [
+    (lambda m, l: m.clone(), "row max m"),
+    (lambda m, l: (m + torch.log(l)) / math.log(2), "log2"),
+    (lambda m, l: torch.log(torch.exp(m) * l), "overflows"),
+])
+def test_lse_bugs(bug, words):
+    rejects(check.lse_from_stats, bug, words)
+
+
+def test_lse_another_correct_way():
+    check.lse_from_stats(lambda m, l: torch.where(l > 0, m + torch.log(l), torch.full_like(m, -math.inf)))
+
+
+# ------------------------------------------------------------------ the plain functions behind the pictures
+def test_trace_matches_reference():
+    x = torch.tensor([0.5, 2.0, -math.inf, 3.5, 1.0])
+    steps = online_trace(x)
+    assert [s.i for s in steps] == list(range(5))
+    assert steps[-1].m == 3.5
+    assert steps[-1].l == pytest.approx(float(torch.exp(x - 3.5).sum()))
+    assert steps[1].alpha == pytest.approx(math.exp(0.5 - 2.0)) and steps[4].alpha == 1.0
+
+
+def test_trace_empty_row_stays_empty():
+    steps = online_trace(torch.full((3,), -math.inf))
+    assert all(s.m == -math.inf and s.l == 0.0 for s in steps)
+
+
+def test_bytes_figures_of_the_lesson():
+    assert score_bytes(8192) == 128 * 2**20
+    assert score_bytes(8192, heads=32) == 4 * 2**30
+    assert stats_bytes(8192, heads=32) == 2 * 2**20
