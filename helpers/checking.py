@@ -353,7 +353,9 @@ def _install_ipython_handler():
         return
 
     def show(shell, etype, value, tb, tb_offset=None):
-        return [str(value)]
+        stb = [str(value)]
+        shell._showtraceback(etype, value, stb)  # IPython leaves the display to the handler
+        return stb
 
     ip.set_custom_exc((CheckFailure,), show)
     ip._course_handler = True
