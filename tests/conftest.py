@@ -66,3 +66,10 @@ def rejects(checker, fn, *hint_words):
 
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Without a GPU, Triton kernels run under its interpreter; the flag must be set before any @triton.jit runs.
+try:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
