@@ -89,8 +89,8 @@ def render_mask(kind: str = "bottom_right causal", N: int = 16, Nk: int = 12, Br
         ax.axvline(min(j0, Nk) - 0.5, color="white", lw=1.5)
     s = mask_summary(mask, Br, Bc)
     ax.set_title(f"{kind}: N={N}, Nk={Nk}, Br={Br}, Bc={Bc}\n"
-                 f"{s['empty_rows']} fully masked rows (red), {s['empty_tiles']} of {s['tiles']} tiles "
-                 f"have no visible key (grey)", fontsize=9)
+                 f"{s['empty_rows']} fully masked rows (red)\n"
+                 f"{s['empty_tiles']} of {s['tiles']} tiles with no visible key (grey)", fontsize=9)
     ax.set_xlabel("key j")
     ax.set_ylabel("query i")
     return ax
