@@ -1,0 +1,288 @@
+"""Checkers of lesson 04, causal tile classes: ``classify_tile`` and ``flash_attn_causal``.
+
+References: ``helpers.reference.causal_mask`` (the element-level truth) and
+``helpers.reference.attention`` (SDPA and ``torch.logsumexp`` in float64). The meter's
+FLOP count rejects a kernel that computes invisible tiles; a small dispatch mode
+rejects one that masks tiles with nothing to mask.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .. import meter, reference
+from ..checking import Bug, Case, exercise
+from ..lesson04 import CLASSES
+
+NEG_INF = -math.inf
+ALIGNS = ("top_left", "bottom_right")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _other(align):
+    return "bottom_right" if align == "top_left" else "top_left"
+
+
+# ------------------------------------------------------------------ a tiled model, with knobs for bugs
+def tiled_model(q, k, v, vis, Br, Bc, *, computed=None, applied=None, fill=NEG_INF):
+    """What a tiled kernel outputs, in float64: (O, lse).
+
+    ``vis`` bool [N, Nk] is the truth; for each tile, ``computed(tile_vis)`` says whether the
+    kernel computes it (default: it has a visible key) and ``applied(tile_vis)`` is the mask
+    it applies (default: the truth), with masked scores set to ``fill``. A row with no
+    finite score left gets O = 0, lse = -inf, as the course's convention says.
+    """
+    computed = computed or (lambda t: bool(t.any()))
+    applied = applied or (lambda t: t)
+    q, k, v = q.double(), k.double(), v.double()
+    N, d = q.shape
+    Nk = k.shape[0]
+    scale = 1.0 / math.sqrt(d)
+    O = torch.zeros(N, v.shape[1], dtype=torch.float64)
+    lse = torch.full((N,), NEG_INF, dtype=torch.float64)
+    for i0 in range(0, N, Br):
+        s_parts, v_parts = [], []
+        for j0 in range(0, Nk, Bc):
+            tv = vis[i0:i0 + Br, j0:j0 + Bc]
+            if not computed(tv):
+                continue
+            s = q[i0:i0 + Br] @ k[j0:j0 + Bc].T * scale
+            s_parts.append(s.masked_fill(~applied(tv), fill))
+            v_parts.append(v[j0:j0 + Bc])
+        if not s_parts:
+            continue
+        S, V = torch.cat(s_parts, 1), torch.cat(v_parts, 0)
+        row_lse = torch.logsumexp(S, 1)
+        P = torch.where(torch.isneginf(row_lse)[:, None], torch.zeros_like(S), torch.exp(S - row_lse[:, None]))
+        O[i0:i0 + Br] = P @ V
+        lse[i0:i0 + Br] = row_lse
+    return O, lse
+
+
+# ------------------------------------------------------------------ classify_tile
+def _classify_with(i0, j0, Br, Bc, N, Nk, align, *, shift=0, clip=True):
+    """A classifier with a knob: visibility j <= i + offset + shift; clip=False forgets ragged tiles."""
+    off = (0 if align == "top_left" else Nk - N) + shift
+    i1 = (min(i0 + Br, N) if clip else i0 + Br) - 1
+    j1 = (min(j0 + Bc, Nk) if clip else j0 + Bc) - 1
+    if j0 > i1 + off:
+        return "skip"
+    if j1 <= i0 + off:
+        return "full"
+    return "partial"
+
+
+def _classify_configs():
+    return [  # (N, Nk, Br, Bc, align, note)
+        (12, 12, 4, 4, "top_left", "square tiles on a square matrix"),
+        (12, 12, 4, 3, "top_left", "Br != Bc: the diagonal crosses tiles at an angle"),
+        (10, 10, 4, 3, "top_left", "N not a multiple of Br or Bc (ragged last tiles)"),
+        (1, 1, 4, 3, "top_left", "N = Nk = 1, tiles larger than the input"),
+        (1, 9, 4, 3, "bottom_right", "one query (decoding): it sees every key"),
+        (1, 9, 4, 3, "top_left", "one query, top-left: it sees key 0 only"),
+        (6, 14, 4, 3, "top_left", "Nk > N, top-left"),
+        (6, 14, 4, 3, "bottom_right", "Nk > N, bottom-right (prefill after a KV cache)"),
+        (14, 6, 4, 3, "top_left", "N > Nk, top-left"),
+        (14, 6, 4, 3, "bottom_right", "N > Nk, bottom-right: the first N - Nk rows see nothing"),
+        (9, 9, 1, 1, "bottom_right", "1 x 1 tiles: classes are the mask itself"),
+        (7, 20, 16, 16, "top_left", "one tile larger than the input"),
+        (13, 29, 5, 7, "bottom_right", "odd sizes everywhere"),
+    ]
+
+
+@exercise("classify_tile", arg_names=["i0", "j0", "Br", "Bc", "N", "Nk"], reference="causal_mask")
+def classify_tile(g):
+    models = [
+        ("an off-by-one on the diagonal: query i sees key j when j <= i + offset (the diagonal itself "
+         "is visible), not j < i + offset", dict(shift=-1)),
+        ("an off-by-one on the diagonal: query i sees keys j <= i + offset, not j <= i + offset + 1",
+         dict(shift=1)),
+        ("the last tile is ragged: clip its last row and column to N - 1 and Nk - 1 "
+         "(min(i0 + Br, N) - 1)", dict(clip=False)),
+    ]
+    for N, Nk, Br, Bc, align, note in _classify_configs():
+        vis = reference.causal_mask(N, Nk, align)
+        for i0 in range(0, N, Br):
+            for j0 in range(0, Nk, Bc):
+                case = Case(f"{note}: tile at rows {i0}.., keys {j0}..", i0, j0, Br, Bc, N, Nk, align=align,
+                            note=f"rows {i0}..{min(i0 + Br, N) - 1}, keys {j0}..{min(j0 + Bc, Nk) - 1}")
+                got = g.call(case)
+                if got not in CLASSES:
+                    g.fail(f"returned {got!r}; expected one of 'skip', 'full', 'partial'",
+                           hint="return the class as one of the three strings")
+                t = vis[i0:i0 + Br, j0:j0 + Bc]
+                want = "skip" if not t.any() else ("full" if t.all() else "partial")
+                if got != want:
+                    hint = ""
+                    for h, kw in models:
+                        if _classify_with(i0, j0, Br, Bc, N, Nk, align, **kw) == got:
+                            hint = h
+                            break
+                    if not hint and _classify_with(i0, j0, Br, Bc, N, Nk, _other(align)) == got:
+                        hint = (f"that is the class under {_other(align)} alignment: with N != Nk the two "
+                                f"differ; for {align} the offset is {'0' if align == 'top_left' else 'Nk - N'}")
+                    g.fail(f"got {got!r}, expected {want!r} (this tile has {int(t.sum())} visible scores "
+                           f"of {t.numel()})",
+                           hint=hint or "skip: even the last row cannot see the first key; full: even the "
+                                        "first row sees the last key; partial: anything else")
+                g.count()
+    return f"{g.cases} tiles classified as causal_mask says"
+
+
+# ------------------------------------------------------------------ flash_attn_causal
+def _causal_cases():
+    g = _gen(40)
+
+    def qkv(N, Nk, d, qmul=1.0):
+        return (torch.randn(N, d, generator=g) * qmul, torch.randn(Nk, d, generator=g),
+                torch.randn(Nk, d, generator=g))
+
+    cases = []
+    for align in ALIGNS:
+        cases += [
+            Case(f"{align}, square, ragged tiles", *qkv(11, 11, 8), Br=4, Bc=3, align=align),
+            Case(f"{align}, Nk > N (prefill with a KV cache)", *qkv(7, 19, 8), Br=4, Bc=3, align=align),
+            Case(f"{align}, N > Nk", *qkv(13, 6, 8), Br=4, Bc=3, align=align,
+                 note="bottom-right: the first N - Nk = 7 rows see no key, so O = 0 and lse = -inf there"
+                 if align == "bottom_right" else ""),
+            Case(f"{align}, N = 1", *qkv(1, 9, 8), Br=4, Bc=3, align=align),
+            Case(f"{align}, d = 5, Br != Bc", *qkv(17, 23, 5), Br=5, Bc=2, align=align),
+            Case(f"{align}, tiles larger than the input", *qkv(6, 9, 8), Br=16, Bc=16, align=align),
+            Case(f"{align}, 1 x 1 tiles", *qkv(5, 7, 4), Br=1, Bc=1, align=align),
+            Case(f"{align}, large logits (q * 30)", *qkv(12, 16, 8, qmul=30.0), Br=4, Bc=3, align=align),
+            Case(f"{align}, default tiles", *qkv(20, 26, 16), align=align),
+        ]
+    return cases
+
+
+def _vis(case):
+    q, k, _ = case.args
+    return reference.causal_mask(q.shape[0], k.shape[0], case.kwargs.get("align", "top_left"))
+
+
+def _tiles(case):
+    return case.kwargs.get("Br", 4), case.kwargs.get("Bc", 3)
+
+
+def _causal_models(which):
+    """Bug models of flash_attn_causal for output ``which`` (0: O, 1: lse)."""
+    def ref_with(vis_fn):
+        return lambda c: reference.attention(*c.args, mask=vis_fn(c))[which]
+
+    def tiled(**kw):
+        return lambda c: tiled_model(*c.args, _vis(c), *_tiles(c), **kw)[which]
+
+    def shifted(s):
+        def vis(c):
+            q, k, _ = c.args
+            N, Nk = q.shape[0], k.shape[0]
+            off = 0 if c.kwargs.get("align", "top_left") == "top_left" else Nk - N
+            return torch.arange(Nk)[None, :] <= torch.arange(N)[:, None] + off + s
+        return vis
+
+    def other_align(c):
+        q, k, _ = c.args
+        return reference.causal_mask(q.shape[0], k.shape[0], _other(c.kwargs.get("align", "top_left")))
+
+    return [
+        Bug("an off-by-one on the diagonal: the diagonal is visible (j <= i + offset), you masked it "
+            "(j < i + offset)", ref_with(shifted(-1))),
+        Bug("an off-by-one on the diagonal: query i sees keys j <= i + offset, you let it see one more",
+            ref_with(shifted(1))),
+        Bug("that is the answer for the other alignment: you ignored `align` (top-left: j <= i; bottom-right: "
+            "j <= i + Nk - N, so the last query sees every key)", ref_with(other_align)),
+        Bug("a tile cut by the diagonal (partial) was skipped: only tiles where no key is visible may be "
+            "skipped; a partial tile is computed, then masked", tiled(computed=lambda t: bool(t.all()))),
+        Bug("a tile cut by the diagonal (partial) was computed without its mask: the keys above the "
+            "diagonal leaked in; mask the scores of partial tiles (full tiles need none)",
+            tiled(applied=lambda t: torch.ones_like(t))),
+        Bug("a fully masked row was filled with -1e6, not -inf: its softmax became a uniform average of V "
+            "(O should be 0, lse -inf)", tiled(fill=-1e6)),
+    ]
+
+
+_NAN = ("NaN on a row with nothing visible (bottom-right with N > Nk: the first N - Nk rows): "
+        "exp(-inf - (-inf)) is NaN and so is 0 / 0; use a safe max (0 where m is -inf) and guard l = 0 "
+        "at the end (O = 0, lse = -inf)")
+
+
+class _NoopMasks(TorchDispatchMode):
+    """Counts masks applied to 2-D tiles where they change nothing (every key of the tile visible)."""
+
+    def __init__(self):
+        super().__init__()
+        self.noop = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__.rstrip("_")
+        if name in ("masked_fill", "where", "index_put"):
+            bools = [t for t in tree_flatten((args, kwargs))[0]
+                     if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.dim() == 2
+                     and t.shape[0] >= 1 and t.shape[1] > 1]
+            if bools:
+                b = bools[0]
+                noop = bool(b.all()) if name == "where" else not bool(b.any())
+                self.noop += int(noop)
+        return out
+
+
+def _idea(g):
+    """FLOPs only for visible tiles; no N x Nk tensor; no mask on full tiles."""
+    gen = _gen(41)
+    for N, Nk, align in ((24, 24, "top_left"), (12, 30, "bottom_right")):
+        Br, Bc, d = 4, 3, 8
+        q, k, v = (torch.randn(n, d, generator=gen) for n in (N, Nk, Nk))
+        case = Case(f"the work done (metered), {align}", q, k, v, Br=Br, Bc=Bc, align=align)
+        g.case = case
+        r = meter.measure(g.fn, q.clone(), k.clone(), v.clone(), names=("q", "k", "v"), Br=Br, Bc=Bc, align=align)
+        vis = reference.causal_mask(N, Nk, align)
+        need = sum(4 * min(Br, N - i0) * min(Bc, Nk - j0) * d
+                   for i0 in range(0, N, Br) for j0 in range(0, Nk, Bc) if vis[i0:i0 + Br, j0:j0 + Bc].any())
+        every = 4 * N * Nk * d
+        if r.flops > need:
+            g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "
+                   f"(computing every tile costs {every:,})",
+                   hint="you computed tiles that are entirely above the diagonal and masked them afterwards: the "
+                        "result is right but causal attention saves nothing; skip those tiles (never compute "
+                        "their Q K^T or P V), that is where the 2x comes from")
+        if r.largest.numel >= N * Nk // 2:
+            g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}), "
+                   f"as large as the {N} x {Nk} score matrix",
+                   hint="FlashAttention never holds anything N x Nk, not even the mask: build each partial "
+                        "tile's mask from its row and column indices, [Br, Bc] at a time")
+        counter = _NoopMasks()
+        with counter:
+            g.fn(q.clone(), k.clone(), v.clone(), Br=Br, Bc=Bc, align=align)
+        if counter.noop:
+            g.fail(f"your function applied a mask {counter.noop} times to a tile in which every score is "
+                   "visible (a full tile), e.g. masked_fill with an all-False mask",
+                   hint="full tiles need no mask at all, only tiles cut by the diagonal do; in the Triton kernel "
+                        "this is the off-band loop (no mask) and the on-band loop (mask): most tiles are full, "
+                        "so the mask's cost should be paid only on the band")
+
+
+@exercise("flash_attn_causal", arg_names=["q", "k", "v"], reference="SDPA (float64, both alignments)")
+def flash_attn_causal(g):
+    bugs_o, bugs_lse = _causal_models(0), _causal_models(1)
+    for case in _causal_cases():
+        q, k, v = case.args
+        N, dv = q.shape[0], v.shape[1]
+        out = g.call(case)
+        O, lse = g.expect_tuple(out, 2, "(O, lse)")
+        g.expect_tensor(O, "O", shape=(N, dv), dtype=torch.float32)
+        g.expect_tensor(lse, "lse", shape=(N,), dtype=torch.float32)
+        O_ref, lse_ref = reference.attention(q, k, v, mask=_vis(case))
+        g.compare(O, O_ref, "O", rtol=1e-4, atol=1e-5, bugs=bugs_o, nan_hint=_NAN,
+                  hint="compare one row by hand: which keys should query i see under this alignment?")
+        g.compare(lse, lse_ref, "lse", rtol=1e-5, atol=1e-4, bugs=bugs_lse, nan_hint=_NAN,
+                  hint="lse = m + log(l) over the visible keys of the row; -inf when there are none")
+        g.count()
+    _idea(g)
