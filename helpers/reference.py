@@ -68,5 +68,5 @@ def attention(q, k, v, mask=None, scale=None):
         return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float64), lse
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     empty = torch.isneginf(lse)
-    o = torch.where(empty[..., None], torch.zeros_like(o), o)   # SDPA gives NaN there
+    o = torch.where(empty[..., None], torch.zeros_like(o), o)   # the convention, whatever the SDPA version gives
     return o, lse
