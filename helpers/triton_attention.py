@@ -1,0 +1,500 @@
+"""FlashAttention forward and FlashDecoding in Triton (notebook 07).
+
+Two public functions:
+
+* ``flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left") -> (O, lse)``:
+  the FlashAttention-2 forward pass. One program owns BLOCK_M query rows of one
+  (batch, head), keeps them in registers and streams the keys and values past
+  them BLOCK_N at a time, with the online softmax (``m_i``, ``l_i``, ``acc``,
+  ``alpha``) in base 2: ``log2(e)`` is folded into ``qk_scale`` so every
+  exponential is one ``exp2``. Key tiles fall into three classes: tiles every
+  row of the block sees in full (the off-band loop, no mask), tiles that need a
+  mask (the causal diagonal band and the ragged last tile: the on-band loop) and
+  tiles no row sees (never visited).
+* ``flash_decode_triton(q, k, v, num_splits=None) -> O``: one new token per
+  sequence against a long KV cache (Flash-Decoding). The cache is cut into
+  ``num_splits`` pieces, a split kernel writes a partial ``(O_s, lse_s)`` per
+  piece, and a combine kernel merges them with weights ``exp(lse_s - lse)``.
+  Grouped-query attention: query head ``h`` reads KV head ``h // (H // Hkv)``.
+
+References: Dao, "FlashAttention-2" (2023), Algorithm 1; Dao et al.,
+"Flash-Decoding for long-context inference" (2023); the fused-attention and
+matmul tutorials of Triton. Written for this course; numbers in
+bench/NOTES.md.
+
+Runs on a CUDA GPU (fp16, bf16) or, with ``TRITON_INTERPRET=1`` set before
+Triton is imported, on the CPU through Triton's interpreter (fp32, fp16; one
+small fixed tile configuration so tests stay fast).
+"""
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (Hopper and newer); absent in old Triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+__all__ = ["flash_attn_triton", "flash_decode_triton"]
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln(2): converts a base-2 lse back to natural log
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------
+# Forward (prefill): the inner loop, on its own
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc, l_i, m_i, q,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M]; q [BLOCK_M, D]
+    k_ptrs, v_ptrs, stride_kn, stride_vn,  # pointer path: tile of key/value rows at start_n = 0
+    desc_k, desc_v, kv_row0,  # TMA path: descriptors over [B*H*Nk, D], first row of this head
+    lo, hi,  # key range [lo, hi) to visit, lo a multiple of BLOCK_N
+    offs_m, offs_n, qk_scale, Nk, diag,  # diag: row i sees keys j <= i + diag (causal)
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: off-band tiles, all visible; True: the band / ragged tail
+    CAUSAL: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        # -- load one tile of keys and values --------------------------------
+        if USE_TMA:
+            k = desc_k.load([kv_row0 + start_n, 0])  # [BLOCK_N, D]
+            v = desc_v.load([kv_row0 + start_n, 0])  # [BLOCK_N, D]
+        elif MASKED:
+            in_range = (start_n + offs_n)[:, None] < Nk  # [BLOCK_N, 1]
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=in_range, other=0.0)  # [BLOCK_N, D]
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=in_range, other=0.0)  # [BLOCK_N, D]
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn)  # [BLOCK_N, D]
+            v = tl.load(v_ptrs + start_n * stride_vn)  # [BLOCK_N, D]
+        # -- scores, in base-2 units -----------------------------------------
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            cols = start_n + offs_n  # [BLOCK_N]
+            keep = cols[None, :] < Nk  # [1, BLOCK_N]
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)  # [BLOCK_M, BLOCK_N]
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
+            # a row that has seen no key yet keeps m = -inf: subtract 0 instead (no NaN)
+            m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = tl.math.exp2(qk - m_ij[:, None])  # [BLOCK_M, BLOCK_N]
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_M]
+            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])  # [BLOCK_M, BLOCK_N]
+        # -- online softmax: rescale what we had, add this tile ---------------
+        alpha = tl.math.exp2(m_i - m_ij)  # [BLOCK_M]
+        l_i = l_i * alpha + tl.sum(p, 1)  # [BLOCK_M]
+        acc = acc * alpha[:, None]  # [BLOCK_M, D]
+        acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, D]
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE,
+    desc_k, desc_v,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    H, N, Nk, diag, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    # grid = (cdiv(N, BLOCK_M), B * H); causal blocks run heaviest (last) first
+    if CAUSAL:
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N] key rows within a tile
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
+    o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D]
+    kv_row0 = off_bh * Nk  # first row of this head in the [B*H*Nk, D] view
+
+    row_ok = offs_m < N  # [BLOCK_M] the last block may run past N
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, base 2
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running numerator
+
+    # Tile classes. Off-band: keys [0, band_lo) are seen in full by every row.
+    # On-band: keys [band_lo, band_hi) need a mask (diagonal, ragged tail).
+    # Keys >= band_hi are seen by no row of this block: never visited.
+    if CAUSAL:
+        first_row_end = tl.minimum(tl.maximum(start_m * BLOCK_M + diag + 1, 0), Nk)  # keys < this: all rows
+        band_lo = (first_row_end // BLOCK_N) * BLOCK_N
+        band_hi = tl.minimum(tl.maximum(start_m * BLOCK_M + BLOCK_M + diag, 0), Nk)
+    else:
+        band_lo = (Nk // BLOCK_N) * BLOCK_N
+        band_hi = Nk
+
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0,
+        0, band_lo, offs_m, offs_n, qk_scale, Nk, diag,
+        BLOCK_N, False, CAUSAL, USE_TMA,
+    )
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0,
+        band_lo, band_hi, offs_m, offs_n, qk_scale, Nk, diag,
+        BLOCK_N, True, CAUSAL, USE_TMA,
+    )
+
+    # epilogue: normalise; a row that saw no key gets O = 0, lse = -inf
+    empty = l_i == 0.0  # [BLOCK_M]
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc / l_safe[:, None]  # [BLOCK_M, D]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # [BLOCK_M] natural log
+    tl.store(LSE + off_bh.to(tl.int64) * N + offs_m, lse, mask=row_ok)
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------
+# Forward: configurations and wrapper
+# ----------------------------------------------------------------------------
+
+_INTERPRETER_FWD_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+def _fwd_configs():
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages): a small set around what won on an H200
+    shapes = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_kv_block_shape)
+        for bm, bn, w, s in shapes
+    ]
+
+
+def _set_kv_block_shape(nargs):
+    for name in ("desc_k", "desc_v"):
+        desc = nargs.get(name)
+        if desc is not None:
+            desc.block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
+
+
+_attn_fwd_tuned = triton.autotune(
+    configs=_fwd_configs(),
+    key=["N", "Nk", "HEAD_DIM", "CAUSAL", "USE_TMA"],
+)(_attn_fwd)
+
+_DTYPES_GPU = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES_CPU = (torch.float16, torch.float32)
+
+
+def _check_tensor(name, x, ndim, dtypes):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; expected one of: {names}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def _check_device(*tensors):
+    names = ("q", "k", "v")
+    dev = tensors[0].device
+    for name, t in zip(names, tensors):
+        if t.device != dev:
+            raise ValueError(f"q, k and v must be on one device; {name} is on {t.device}, q on {dev}")
+    if _interpreting():
+        if dev.type != "cpu":
+            raise ValueError("with TRITON_INTERPRET=1 the tensors must be on the CPU")
+        return _DTYPES_CPU
+    if dev.type != "cuda":
+        raise ValueError(f"tensors must be on a CUDA device (or set TRITON_INTERPRET=1 for the CPU), got {dev}")
+    return _DTYPES_GPU
+
+
+def _use_tma_default(q):
+    if _interpreting() or TensorDescriptor is None or q.device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] >= 9 and q.dtype != torch.float32
+
+
+def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *, use_tma=None, config=None):
+    """Attention forward: returns ``(O, lse)``.
+
+    q: [B, H, N, d]; k, v: [B, H, Nk, d] (Nk may differ from N). fp16 or bf16 on
+    a GPU (fp32 too, with tf32 dot products); fp32 or fp16 under the interpreter.
+    O: [B, H, N, d] in q's dtype; lse: [B, H, N] float32, natural log of each
+    row's softmax denominator (with the scale applied), -inf for a row that sees
+    no key (its O is 0).
+
+    causal: query row i sees key j when j <= i + diag, where diag = 0 for
+    ``align="top_left"`` (SDPA ``is_causal=True``) and diag = Nk - N for
+    ``align="bottom_right"`` (the FlashAttention library: the last query sees
+    every key). The two agree when N == Nk. With bottom_right and N > Nk the
+    first N - Nk rows see nothing: O = 0, lse = -inf.
+
+    sm_scale: defaults to 1/sqrt(d). ``use_tma`` and ``config`` (a dict with
+    BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; leave them
+    as None to autotune.
+    """
+    dtypes = None
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    dtypes = _check_device(q, k, v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, 4, dtypes)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, H, N, d = q.shape
+    Bk, Hk, Nk, dk = k.shape
+    if (Bk, Hk, dk) != (B, H, d):
+        raise ValueError(f"k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}], got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head dimension d must be one of 16, 32, 64, 128, 256; got {d}")
+    if N == 0 or Nk == 0 or B == 0 or H == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    qk_scale = float(sm_scale) * LOG2E  # scores in base-2 units: exp(s) = exp2(s * LOG2E)
+    diag = (Nk - N) if (causal and align == "bottom_right") else 0
+
+    o = torch.empty_like(q)  # [B, H, N, d]
+    lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N]
+    if use_tma is None:
+        use_tma = _use_tma_default(q)
+    desc_k = desc_v = None
+    if use_tma:
+        dummy_block = [16, d]  # replaced by the config's pre_hook
+        desc_k = TensorDescriptor.from_tensor(k.view(B * H * Nk, d), dummy_block)  # [B*H*Nk, d]
+        desc_v = TensorDescriptor.from_tensor(v.view(B * H * Nk, d), dummy_block)  # [B*H*Nk, d]
+
+    args = (
+        q, k, v, o, lse, desc_k, desc_v,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        H, N, Nk, diag, qk_scale,
+    )
+    if _interpreting() or config is not None:
+        cfg = dict(_INTERPRETER_FWD_CONFIG if config is None else config)
+        if use_tma:
+            desc_k.block_shape = [cfg["BLOCK_N"], d]
+            desc_v.block_shape = [cfg["BLOCK_N"], d]
+        grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * H)
+        _attn_fwd[grid](*args, HEAD_DIM=d, CAUSAL=bool(causal), USE_TMA=bool(use_tma), **cfg)
+    else:
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
+        _attn_fwd_tuned[grid](*args, HEAD_DIM=d, CAUSAL=bool(causal), USE_TMA=bool(use_tma))
+    return o, lse
+
+
+# ----------------------------------------------------------------------------
+# Decode: split kernel and combine kernel
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_split(
+    Q, K, V, O_part, LSE_part,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    Hkv, Nk, keys_per_split, num_splits, qk_scale,
+    GROUP: tl.constexpr,  # query heads per KV head (H // Hkv)
+    BLOCK_H: tl.constexpr,  # GROUP padded up to a dot-product tile (>= 16)
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    # grid = (num_splits, B * Hkv): one program = one KV head, one piece of the cache,
+    # all GROUP query heads that read this KV head
+    split = tl.program_id(0)
+    off_bkv = tl.program_id(1)
+    off_b = off_bkv // Hkv
+    off_hkv = off_bkv % Hkv
+
+    offs_g = tl.arange(0, BLOCK_H)  # [BLOCK_H] query heads of the group
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    head_ok = offs_g < GROUP
+    heads = off_hkv * GROUP + offs_g  # [BLOCK_H] query head index h
+
+    q_ptrs = Q + off_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=head_ok[:, None], other=0.0)  # [BLOCK_H, D]
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D]
+
+    lo = split * keys_per_split  # keys_per_split is a multiple of BLOCK_N
+    hi = tl.minimum(lo + keys_per_split, Nk)
+    full_hi = tl.maximum(lo, (hi // BLOCK_N) * BLOCK_N)  # full tiles end here; [full_hi, hi) is ragged
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+
+    for start_n in range(lo, full_hi, BLOCK_N):  # full tiles: no mask
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_kn)  # [BLOCK_N, D]
+        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_vn)  # [BLOCK_N, D]
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_H]
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])  # [BLOCK_H, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_ij)  # [BLOCK_H]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_H, D]
+        m_i = m_ij
+
+    if full_hi < hi:  # the ragged last tile of the cache
+        key_ok = (full_hi + offs_n) < hi  # [BLOCK_N]
+        k = tl.load(k_ptrs + full_hi.to(tl.int64) * stride_kn, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptrs + full_hi.to(tl.int64) * stride_vn, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(key_ok[None, :], qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))  # finite: key_ok has at least one key
+        p = tl.math.exp2(qk - m_ij[:, None])  # [BLOCK_H, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_H, D]
+        m_i = m_ij
+
+    # partial result of this split; a split with no keys writes O_s = 0, lse_s = -inf
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o_s = acc / l_safe[:, None]  # [BLOCK_H, D]
+    lse_s = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # [BLOCK_H]
+    row = (off_b * (Hkv * GROUP) + heads).to(tl.int64) * num_splits + split  # [BLOCK_H] index into [B, H, S]
+    tl.store(LSE_part + row, lse_s, mask=head_ok)
+    tl.store(O_part + row[:, None] * HEAD_DIM + offs_d[None, :], o_s, mask=head_ok[:, None])
+
+
+@triton.jit
+def _decode_combine(
+    O_part, LSE_part, O,
+    num_splits,
+    BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
+    HEAD_DIM: tl.constexpr,
+):
+    # grid = (B * H,): one program merges the num_splits partial results of one query head
+    off_bh = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    s_ok = offs_s < num_splits
+    lse_s = tl.load(LSE_part + off_bh * num_splits + offs_s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
+    o_s = tl.load(O_part + (off_bh * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None], other=0.0)  # [BLOCK_S, D]
+    lse_max = tl.max(lse_s, 0)  # scalar; -inf only if no split saw a key
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp(lse_s - lse_max)  # [BLOCK_S]; 0 for an empty split
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    o = tl.sum(w[:, None] * o_s, 0) / denom  # [D]
+    tl.store(O + off_bh * HEAD_DIM + offs_d, o.to(O.dtype.element_ty))
+
+
+_INTERPRETER_DECODE_CONFIG = dict(BLOCK_N=16, num_warps=4, num_stages=1)
+_GPU_DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=4)
+
+
+def _num_sms(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _pick_num_splits(batch_kv_heads, Nk, block_n, num_sms):
+    """Enough programs to fill the chip about four times over, each a run of
+    at least 8 tiles, no more splits than tiles."""
+    tiles = triton.cdiv(Nk, block_n)
+    want = triton.cdiv(4 * num_sms, batch_kv_heads)
+    return max(1, min(want, tiles // 8 if tiles >= 8 else 1, 256))
+
+
+def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None):
+    """Decode attention for one new token: returns O [B, H, d] in q's dtype.
+
+    q: [B, H, d]; k, v: [B, Hkv, Nk, d] with H a multiple of Hkv (query head h
+    reads KV head h // (H // Hkv)). No mask: the new token sees the whole cache.
+    num_splits: how many pieces the cache is cut into; None picks it from
+    B*Hkv, Nk and the SM count.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    dtypes = _check_device(q, k, v)
+    _check_tensor("q", q, 3, dtypes)
+    _check_tensor("k", k, 4, dtypes)
+    _check_tensor("v", v, 4, dtypes)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, H, d = q.shape
+    Bk, Hkv, Nk, dk = k.shape
+    if Bk != B or dk != d:
+        raise ValueError(f"k must be [B, Hkv, Nk, d] = [{B}, Hkv, Nk, {d}], got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads")
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head dimension d must be one of 16, 32, 64, 128, 256; got {d}")
+    if B == 0 or Nk == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    group = H // Hkv
+    cfg = dict(config or (_INTERPRETER_DECODE_CONFIG if _interpreting() else _GPU_DECODE_CONFIG))
+    block_n = cfg["BLOCK_N"]
+    if num_splits is None:
+        num_splits = _pick_num_splits(B * Hkv, Nk, block_n, _num_sms(q.device))
+    num_splits = int(num_splits)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    keys_per_split = triton.cdiv(triton.cdiv(Nk, num_splits), block_n) * block_n  # whole tiles per split
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    qk_scale = float(sm_scale) * LOG2E
+
+    o_part = torch.empty((B, H, num_splits, d), device=q.device, dtype=torch.float32)  # [B, H, S, d]
+    lse_part = torch.empty((B, H, num_splits), device=q.device, dtype=torch.float32)  # [B, H, S]
+    o = torch.empty_like(q)  # [B, H, d]
+    _decode_split[(num_splits, B * Hkv)](
+        q, k, v, o_part, lse_part,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        Hkv, Nk, keys_per_split, num_splits, qk_scale,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, **cfg,
+    )
+    _decode_combine[(B * H,)](
+        o_part, lse_part, o, num_splits,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
+    )
+    return o

@@ -1,0 +1,142 @@
+"""Correctness of helpers/triton_attention.py.
+
+On a machine without CUDA the kernels run under Triton's interpreter
+(TRITON_INTERPRET=1, set below before Triton is imported): small shapes, fp32
+and fp16. On a CUDA machine the same checks run on the GPU in fp16 and bf16.
+Inputs are harsh on purpose: large-magnitude scores, lengths that are not a
+multiple of any block, a causal mask with N != Nk, empty decode splits.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers.triton_attention import flash_attn_triton, flash_decode_triton  # noqa: E402
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+
+
+def _inputs(shape_q, shape_kv, dtype, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(shape_q, generator=g) * scale).to(DEVICE, dtype)
+    k = (torch.randn(shape_kv, generator=g) * scale).to(DEVICE, dtype)
+    v = torch.randn(shape_kv, generator=g).to(DEVICE, dtype)
+    return q, k, v
+
+
+def _reference(q, k, v, causal, diag, sm_scale):
+    """float64 attention with an explicit mask; (O, lse), O = 0 and lse = -inf on empty rows."""
+    q, k, v = (t.double().cpu() for t in (q, k, v))
+    s = (q @ k.transpose(-1, -2)) * sm_scale  # [B, H, N, Nk]
+    N, Nk = s.shape[-2:]
+    if causal:
+        i = torch.arange(N)[:, None]
+        j = torch.arange(Nk)[None, :]
+        s = s.masked_fill(j > i + diag, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [B, H, N]
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return p @ v, lse
+
+
+def _tol(dtype):
+    return {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+
+
+def _report(name, got, want, tol):
+    err = (got.double().cpu() - want).abs()
+    finite = torch.isfinite(want)
+    bad = (err > tol) & finite
+    if bad.any() or torch.isnan(got).any():
+        idx = bad.nonzero()[:5].tolist()
+        pairs = [(i, float(want[tuple(i)]), float(got.double().cpu()[tuple(i)])) for i in idx]
+        pytest.fail(f"{name}: max err {err[finite].max():.3g} > {tol}; first (index, ref, got): {pairs}")
+
+
+CASES = [
+    # B, H, N, Nk, d, causal, align
+    (1, 2, 37, 37, 16, False, "top_left"),
+    (2, 1, 50, 50, 32, True, "top_left"),
+    (1, 2, 33, 70, 16, True, "bottom_right"),  # N < Nk: a cache plus new queries
+    (1, 1, 45, 20, 16, True, "bottom_right"),  # N > Nk: the first 25 rows see nothing
+    (1, 1, 40, 29, 32, True, "top_left"),
+    (1, 1, 24, 61, 64, False, "top_left"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,H,N,Nk,d,causal,align", CASES)
+def test_forward_matches_reference(B, H, N, Nk, d, causal, align, dtype):
+    q, k, v = _inputs((B, H, N, d), (B, H, Nk, d), dtype, seed=N * 31 + Nk)
+    sm_scale = 1.0 / math.sqrt(d)
+    o, lse = flash_attn_triton(q, k, v, causal=causal, align=align)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == (B, H, N) and lse.dtype == torch.float32
+    diag = (Nk - N) if align == "bottom_right" else 0
+    o_ref, lse_ref = _reference(q, k, v, causal, diag, sm_scale)
+    _report("O", o, o_ref, _tol(dtype))
+    lse_c = lse.double().cpu()
+    assert torch.equal(torch.isinf(lse_c), torch.isinf(lse_ref)), "lse is -inf on exactly the empty rows"
+    _report("lse", lse, lse_ref, _tol(dtype) * 5)
+    empty = torch.isinf(lse_ref)
+    if empty.any():
+        assert (o.cpu()[empty] == 0).all(), "an empty row must give O = 0"
+
+
+def test_forward_matches_sdpa_causal():
+    q, k, v = _inputs((1, 2, 48, 16), (1, 2, 48, 16), DTYPES[0], seed=3)
+    o, _ = flash_attn_triton(q, k, v, causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert (o.float() - ref).abs().max() < _tol(DTYPES[0])
+
+
+DECODE_CASES = [
+    # B, H, Hkv, Nk, d, num_splits
+    (2, 4, 4, 100, 32, None),  # MHA
+    (1, 8, 2, 77, 16, 3),  # GQA, ragged last tile
+    (2, 6, 3, 40, 32, 8),  # more splits than tiles: some splits see no key
+    (1, 4, 1, 19, 64, 1),  # MQA, one split
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,H,Hkv,Nk,d,num_splits", DECODE_CASES)
+def test_decode_matches_reference(B, H, Hkv, Nk, d, num_splits, dtype):
+    q, k, v = _inputs((B, H, d), (B, Hkv, Nk, d), dtype, seed=Nk + H)
+    o = flash_decode_triton(q, k, v, num_splits=num_splits)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    group = H // Hkv
+    k_full = k.repeat_interleave(group, dim=1)  # [B, H, Nk, d]
+    v_full = v.repeat_interleave(group, dim=1)
+    o_ref, _ = _reference(q[:, :, None, :], k_full, v_full, False, 0, 1.0 / math.sqrt(d))
+    _report("O", o, o_ref[:, :, 0, :], _tol(dtype))
+
+
+def _ok():
+    return _inputs((1, 2, 8, 16), (1, 2, 8, 16), DTYPES[0], seed=0)
+
+
+def test_validation_messages():
+    q, k, v = _ok()
+    with pytest.raises(ValueError, match="4 dimensions"):
+        flash_attn_triton(q[0], k, v)
+    with pytest.raises(TypeError, match="dtype"):
+        flash_attn_triton(q.to(torch.int32), k, v)
+    with pytest.raises(ValueError, match="contiguous"):
+        flash_attn_triton(q.transpose(2, 3).contiguous().transpose(2, 3), k, v)
+    with pytest.raises(ValueError, match="k must be"):
+        flash_attn_triton(q, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="align"):
+        flash_attn_triton(q, k, v, causal=True, align="middle")
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        flash_attn_triton(q.tolist(), k, v)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        flash_decode_triton(q[:, :1, 0, :].repeat(1, 3, 1).contiguous(), k, v)
+    with pytest.raises(ValueError, match="num_splits"):
+        flash_decode_triton(q[:, :, 0, :].contiguous(), k, v, num_splits=0)
