@@ -194,10 +194,10 @@ def works(fn, *example) -> bool:
     try:
         fn(*example)
     except NotImplementedError:
-        print(f"({name} is not written yet: this cell uses the course's reference V1 instead)")
+        print(f"({name} is not written yet: this cell uses the course's reference instead)")
         return False
     except Exception as e:  # noqa: BLE001 - the check cell says what broke; the picture goes on
-        print(f"({name} raised {type(e).__name__}: {e}; this cell uses the course's reference V1 instead)")
+        print(f"({name} raised {type(e).__name__}: {e}; this cell uses the course's reference instead)")
         return False
     return True
 

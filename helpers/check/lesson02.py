@@ -59,7 +59,7 @@ def tiled_model(q, k, v, Br, Bc, *, scale=None, bug=None):
     """The tiled loop in float64 with one planted mistake; returns (O, lse).
 
     bug: None, "no_l_back" (V1: forgot to multiply the old O by the old l), "no_alpha" (the old
-    O not rescaled by alpha), "acc_no_alpha" (V2's acc not rescaled), "no_alpha_l" (l not rescaled), "no_divide" (O never divided by l),
+    O not rescaled by alpha), "no_alpha_l" (l not rescaled), "no_divide" (O never divided by l),
     "drop_ragged" (the last, partial tiles skipped).
     """
     q, k, v = q.double(), k.double(), v.double()
@@ -87,12 +87,10 @@ def tiled_model(q, k, v, Br, Bc, *, scale=None, bug=None):
                 acc = ((l)[:, None] * acc + P @ v[j:j + Bc]) / l_new[:, None]
             elif bug == "no_divide":
                 acc = alpha[:, None] * acc + P @ v[j:j + Bc]
-            elif bug == "acc_no_alpha":  # V2's unnormalised acc, not rescaled; divided at the end
-                acc = acc + P @ v[j:j + Bc]
             else:                       # normalised running O (V1's form)
                 acc = ((alpha * l)[:, None] * acc + P @ v[j:j + Bc]) / l_new[:, None]
             m, l = m_new, l_new
-        O[i:i + Br] = acc / l[:, None] if bug == "acc_no_alpha" else acc
+        O[i:i + Br] = acc
         lse[i:i + Br] = m + torch.log(l)
     return O, lse
 
@@ -108,10 +106,9 @@ def o_bugs():
     return [
         Bug("the old O was not multiplied back by the old l: O is stored normalised (divided by l), so "
             "O_new = (alpha * l_old * O_old + exp(m_blk - m_new) * P_ij @ V_j) / l_new", model("no_l_back")),
-        Bug("the old O (or acc) was not rescaled when the max grew: multiply it by alpha = exp(m_old - m_new)",
+        Bug("the old O (or acc) was not rescaled when the max grew: multiply it by alpha = exp(m_old - m_new) "
+            "(V2: acc = alpha * acc + P_ij @ V_j)",
             model("no_alpha")),
-        Bug("acc was not rescaled when the max grew: acc = alpha * acc + P_ij @ V_j, alpha = exp(m_old - m_new)",
-            model("acc_no_alpha")),
         Bug("the running l was not rescaled when the max grew: l_new = alpha * l_old + rowsum(P_ij)",
             model("no_alpha_l")),
         Bug("O was never divided by l: the sum of exp(S - m) @ V is unnormalised; divide by l "
