@@ -40,11 +40,19 @@ def _v1(q, k, v, Br=4, Bc=3, *, scale=None, bug=None):
             P = torch.exp(S - m_blk[:, None])
             m_new = torch.maximum(mi, m_blk)
             alpha, beta = torch.exp(mi - m_new), torch.exp(m_blk - m_new)
-            l_new = alpha * li + beta * P.sum(1)
-            keep = alpha if bug == "no_l_back" else alpha * li
+            l_new = (li if bug == "no_alpha_l" else alpha * li) + beta * P.sum(1)
+            keep = {"no_l_back": alpha, "no_alpha": li}.get(bug, alpha * li)
             O[i:i + Br] = (keep[:, None] * Oi + beta[:, None] * (P @ Vj)) / l_new[:, None]
             l[i:i + Br], m[i:i + Br] = l_new, m_new
     return O
+
+
+def no_alpha(q, k, v, Br=4, Bc=3):
+    return _v1(q, k, v, Br, Bc, bug="no_alpha")
+
+
+def no_alpha_l(q, k, v, Br=4, Bc=3):
+    return _v1(q, k, v, Br, Bc, bug="no_alpha_l")
 
 
 def no_l_back(q, k, v, Br=4, Bc=3):
@@ -152,6 +160,8 @@ def test_stub_not_attempted(not_strict, capsys):
 
 @pytest.mark.parametrize("fn, words", [
     (no_l_back, ["multiplied back by the old l"]),
+    (no_alpha, ["not rescaled when the max grew", "alpha = exp(m_old - m_new)"]),
+    (no_alpha_l, ["running l was not rescaled"]),
     (scale_one, ["not scaled by 1/sqrt(d)"]),
     (scale_over_d, ["not 1/d"]),
     (drops_ragged, ["ragged"]),
@@ -241,3 +251,8 @@ def test_works_says_when_falling_back(capsys):
     assert not L.works(stub, 1) and "not written yet" in capsys.readouterr().out
     assert not L.works(broken, 1) and "boom" in capsys.readouterr().out
     assert L.works(lambda *a: 0, 1)
+
+
+def test_learner_notebook_is_generated_from_the_worked_one():
+    from helpers.generate import ROOT, drift
+    assert not [p for p in drift(ROOT / "solutions", ROOT / "notebooks") if p.startswith(NB)]

@@ -277,3 +277,8 @@ def test_meter_sees_v2_as_described():
     q, k, v = torch.randn(32, 4), torch.randn(40, 4), torch.randn(40, 4)
     r = meter.measure(L.flash_attn_v2_ref, q, k, v, 8, 8, names=("q", "k", "v"))
     assert r.largest.numel <= 8 * 8
+
+
+def test_learner_notebook_is_generated_from_the_worked_one():
+    from helpers.generate import ROOT, drift
+    assert not [p for p in drift(ROOT / "solutions", ROOT / "notebooks") if p.startswith(NB)]

@@ -135,7 +135,11 @@ def measure_case(g, case):
     """Meter one call of the learner's function on copies of ``case``'s inputs."""
     g.case = case
     q, k, v = (a.clone() for a in case.args)
-    return meter.measure(g.fn, q, k, v, names=("q", "k", "v"), **case.kwargs)
+    try:
+        return meter.measure(g.fn, q, k, v, names=("q", "k", "v"), **case.kwargs)
+    except Exception as e:  # noqa: BLE001 - the same function passed the cases; say what broke here
+        g.fail(f"your function raised {type(e).__name__} while metered: {e}",
+               hint="the meter calls your function once more on this case; it must run on any shapes")
 
 
 def check_tiles_only(g, r, case):
