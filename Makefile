@@ -7,7 +7,6 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 NBVAL   := -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600
 export PYTHONPATH := $(CURDIR)
-export MPLBACKEND := Agg
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lab check test notebooks check-notebooks check-solutions bench clean
