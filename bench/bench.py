@@ -103,6 +103,18 @@ def check_prefill(q, k, v, causal, o_tri, lse_tri):
     return {"pass": ok, "err": tri_err, "sdpa_err": sdpa_err, "lse_err": lse_err, "max_diff_vs_sdpa": full_diff}
 
 
+def graph_gbs(fn, nbytes):
+    """GB/s with the call captured in a CUDA graph: kernel time without Python launch cost
+    (no L2 flush; for caches far larger than the 60 MB L2 that does not matter)."""
+    try:
+        ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        return round(nbytes / ms / 1e6, 1)
+    except Exception as e:
+        log(f"    graph timing failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+        torch.cuda.synchronize()
+        return None
+
+
 def sdpa_time(q, k, v, causal, backend, **kw):
     def fn():
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kw)
@@ -212,8 +224,8 @@ def run_decode(quick, splits_override=None, config=None):
             row.update(check_decode(q, k, v, o))
             ms = bench_ms(lambda: flash_decode_triton(q, k, v, config=config))
             row["triton_gbs"] = round(nbytes / ms / 1e6, 1)
-            cfg = getattr(ta._decode_split_tuned, "best_config", None)
-            row["config"] = str(cfg) if cfg is not None and config is None else str(config)
+            row["config"] = str(config or ta._decode_choice.get((q.device, q.dtype, B, Hkv, Nk, S, H // Hkv, d)))
+            row["triton_gbs_graph"] = graph_gbs(lambda: flash_decode_triton(q, k, v, config=config), nbytes)
         except Exception:
             traceback.print_exc()
             row.update({"pass": False, "triton_gbs": None})
@@ -221,6 +233,11 @@ def run_decode(quick, splits_override=None, config=None):
         for name in ("flash", "cudnn"):
             ms = sdpa_time(q4, k, v, False, name, enable_gqa=H != Hkv)
             row[f"sdpa_{name}_gbs"] = None if ms is None else round(nbytes / ms / 1e6, 1)
+            if ms is not None:
+                def fn(name=name):
+                    with sdpa_kernel(BACKENDS[name]):
+                        return F.scaled_dot_product_attention(q4, k, v, enable_gqa=H != Hkv)
+                row[f"sdpa_{name}_gbs_graph"] = graph_gbs(fn, nbytes)
         log("  decode", json.dumps(row))
         rows.append(row)
         del q, k, v
@@ -322,12 +339,15 @@ def summary(result):
         lines.append(f"  prefill correctness: {sum(bool(r.get('pass')) for r in pre)}/{len(pre)} pass")
     dec = result.get("decode", [])
     if dec:
-        lines.append("decode (GB/s)      dtype   B   H Hkv     Nk  MiB  S   triton   flash   cudnn  t/cudnn  ok")
+        lines.append("decode (GB/s)      dtype   B   H Hkv     Nk  MiB  S   triton   flash   cudnn  t/cudnn  ok"
+                     "   | graph: triton  cudnn")
         for r in dec:
             t, f, c = r.get("triton_gbs"), r.get("sdpa_flash_gbs"), r.get("sdpa_cudnn_gbs")
+            tg, cg = r.get("triton_gbs_graph"), r.get("sdpa_cudnn_gbs_graph")
             lines.append(f"  {r['dtype']:>16} {r['B']:>3} {r['H']:>3} {r['Hkv']:>3} {r['Nk']:>6} "
                          f"{r['cache_mib']:>4.0f} {r['num_splits']:>2} {t or 0:>8.0f} {f or 0:>7.0f} {c or 0:>7.0f} "
-                         f"{t / c if t and c else 0:>8.2f}  {'ok' if r.get('pass') else 'FAIL'}")
+                         f"{t / c if t and c else 0:>8.2f}  {'ok' if r.get('pass') else 'FAIL'}"
+                         f"   |        {tg or 0:>6.0f} {cg or 0:>6.0f}")
         big = [r for r in dec if r["cache_mib"] >= 256 and r.get("triton_gbs")]
         if big:
             lines.append(f"  caches >= 256 MiB: triton min {min(r['triton_gbs'] for r in big):.0f} GB/s "

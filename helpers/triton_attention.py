@@ -325,11 +325,8 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
 
 @triton.jit
 def _decode_split(
-    Q, K, V, O, O_part, LSE_part,
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    batch, Hkv, Nk, keys_per_split, num_splits, qk_scale,  # batch: only an autotuning key
+    Q, K, V, O, O_part, LSE_part,  # all contiguous: q [B, H, D], k and v [B, Hkv, Nk, D]
+    Hkv, Nk, keys_per_split, num_splits, qk_scale,
     GROUP: tl.constexpr,  # query heads per KV head (H // Hkv)
     BLOCK_H: tl.constexpr,  # GROUP padded up to a dot-product tile (>= 16)
     BLOCK_N: tl.constexpr,
@@ -349,12 +346,11 @@ def _decode_split(
     head_ok = offs_g < GROUP
     heads = off_hkv * GROUP + offs_g  # [BLOCK_H] query head index h
 
-    q_ptrs = Q + off_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=head_ok[:, None], other=0.0)  # [BLOCK_H, D]
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D]
+    bh = (off_b * (Hkv * GROUP) + heads).to(tl.int64)  # [BLOCK_H] row of q and O in [B*H, D]
+    q = tl.load(Q + bh[:, None] * HEAD_DIM + offs_d[None, :], mask=head_ok[:, None], other=0.0)  # [BLOCK_H, D]
+    kv_base = off_bkv.to(tl.int64) * Nk * HEAD_DIM  # start of this KV head's [Nk, D] slab
+    k_ptrs = K + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
+    v_ptrs = V + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
 
     lo = split * keys_per_split  # keys_per_split is a multiple of BLOCK_N
     hi = tl.minimum(lo + keys_per_split, Nk)
@@ -366,8 +362,8 @@ def _decode_split(
 
     for start_n in range(lo, full_hi, BLOCK_N):  # full tiles: no mask
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_kn)  # [BLOCK_N, D]
-        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_vn)  # [BLOCK_N, D]
+        k = tl.load(k_ptrs + start_n * HEAD_DIM)  # [BLOCK_N, D]
+        v = tl.load(v_ptrs + start_n * HEAD_DIM)  # [BLOCK_N, D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_H]
         p = tl.math.exp2(qk * qk_scale - m_ij[:, None])  # [BLOCK_H, BLOCK_N]
@@ -378,8 +374,8 @@ def _decode_split(
 
     if full_hi < hi:  # the ragged last tile of the cache
         key_ok = (full_hi + offs_n) < hi  # [BLOCK_N]
-        k = tl.load(k_ptrs + full_hi.to(tl.int64) * stride_kn, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_ptrs + full_hi.to(tl.int64) * stride_vn, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        k = tl.load(k_ptrs + full_hi * HEAD_DIM, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptrs + full_hi * HEAD_DIM, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
         qk = tl.where(key_ok[None, :], qk * qk_scale, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))  # finite: key_ok has at least one key
@@ -394,7 +390,6 @@ def _decode_split(
     l_safe = tl.where(empty, 1.0, l_i)
     o_s = acc / l_safe[:, None]  # [BLOCK_H, D]
     lse_s = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # [BLOCK_H]
-    bh = (off_b * (Hkv * GROUP) + heads).to(tl.int64)  # [BLOCK_H] index into [B, H]
     if DIRECT:
         tl.store(O + bh[:, None] * HEAD_DIM + offs_d[None, :], o_s.to(O.dtype.element_ty), mask=head_ok[:, None])
     else:
@@ -432,16 +427,32 @@ _SPLIT_ALIGN = 128  # keys per split: a multiple of every BLOCK_N below, so only
 # (BLOCK_N, num_warps, num_stages): each program holds one SM (64-192 KB of pipelined K/V tiles)
 _DECODE_SHAPES = [(128, 4, 3), (64, 4, 4), (128, 8, 3), (64, 4, 3)]
 
-_decode_split_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn, w, s in _DECODE_SHAPES],
-    key=["batch", "Hkv", "Nk", "num_splits", "GROUP", "HEAD_DIM"],
-)(_decode_split)
+# A decode step is short (~0.1 ms for a 512 MiB cache), so the Python cost of a
+# launch matters: the tuned choice is kept in a plain dict (not triton.autotune),
+# the SM count is cached, and the split kernel takes no stride arguments.
+_decode_choice = {}  # (device, dtype, B, Hkv, Nk, num_splits, group, d) -> config dict
+_sm_count = {}
 
 
 def _num_sms(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_count:
+        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_count[idx]
+
+
+def _tune_decode(key, launch):
+    """Time each shape of _DECODE_SHAPES once for this key; keep the fastest."""
+    best = None
+    for bn, w, s in _DECODE_SHAPES:
+        cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=s)
+        ms = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=25, return_mode="median")
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    _decode_choice[key] = best[1]
+    return best[1]
 
 
 def _pick_num_splits(batch_kv_heads, Nk, num_sms, max_splits=128):
@@ -514,22 +525,21 @@ def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None)
     else:
         o_part = torch.empty((B, H, num_splits, d), device=q.device, dtype=torch.float32)  # [B, H, S, d]
         lse_part = torch.empty((B, H, num_splits), device=q.device, dtype=torch.float32)  # [B, H, S]
-    args = (
-        q, k, v, o, o_part, lse_part,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        B, Hkv, Nk, keys_per_split, num_splits, qk_scale,
-    )
+    args = (q, k, v, o, o_part, lse_part, Hkv, Nk, keys_per_split, num_splits, qk_scale)
     meta = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, DIRECT=direct)
     grid = (num_splits, B * Hkv)
-    if _interpreting() or config is not None:
-        cfg = dict(_INTERPRETER_DECODE_CONFIG if config is None else config)
-        if keys_per_split % cfg["BLOCK_N"]:
-            raise ValueError(f"BLOCK_N must divide {align}")
+
+    def launch(cfg):
         _decode_split[grid](*args, **meta, **cfg)
-    else:
-        _decode_split_tuned[grid](*args, **meta)
+
+    if config is None and _interpreting():
+        config = _INTERPRETER_DECODE_CONFIG
+    if config is None:
+        key = (q.device, q.dtype, B, Hkv, Nk, num_splits, group, d)
+        config = _decode_choice.get(key) or _tune_decode(key, launch)
+    if keys_per_split % config["BLOCK_N"]:
+        raise ValueError(f"config BLOCK_N must divide {align}")
+    launch(config)
     if not direct:
         _decode_combine[(B * H,)](
             o_part, lse_part, o, num_splits,
