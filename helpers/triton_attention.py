@@ -325,15 +325,13 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
 
 @triton.jit
 def _decode_split(
-    Q, K, V, O_part, LSE_part,
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
+    Q, K, V, O, O_part, LSE_part,  # all contiguous: q [B, H, D], k and v [B, Hkv, Nk, D]
     Hkv, Nk, keys_per_split, num_splits, qk_scale,
     GROUP: tl.constexpr,  # query heads per KV head (H // Hkv)
     BLOCK_H: tl.constexpr,  # GROUP padded up to a dot-product tile (>= 16)
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    DIRECT: tl.constexpr,  # num_splits == 1: write the final O here, no combine needed
 ):
     # grid = (num_splits, B * Hkv): one program = one KV head, one piece of the cache,
     # all GROUP query heads that read this KV head
@@ -348,12 +346,11 @@ def _decode_split(
     head_ok = offs_g < GROUP
     heads = off_hkv * GROUP + offs_g  # [BLOCK_H] query head index h
 
-    q_ptrs = Q + off_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=head_ok[:, None], other=0.0)  # [BLOCK_H, D]
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D]
+    bh = (off_b * (Hkv * GROUP) + heads).to(tl.int64)  # [BLOCK_H] row of q and O in [B*H, D]
+    q = tl.load(Q + bh[:, None] * HEAD_DIM + offs_d[None, :], mask=head_ok[:, None], other=0.0)  # [BLOCK_H, D]
+    kv_base = off_bkv.to(tl.int64) * Nk * HEAD_DIM  # start of this KV head's [Nk, D] slab
+    k_ptrs = K + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
+    v_ptrs = V + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
 
     lo = split * keys_per_split  # keys_per_split is a multiple of BLOCK_N
     hi = tl.minimum(lo + keys_per_split, Nk)
@@ -365,8 +362,8 @@ def _decode_split(
 
     for start_n in range(lo, full_hi, BLOCK_N):  # full tiles: no mask
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_kn)  # [BLOCK_N, D]
-        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_vn)  # [BLOCK_N, D]
+        k = tl.load(k_ptrs + start_n * HEAD_DIM)  # [BLOCK_N, D]
+        v = tl.load(v_ptrs + start_n * HEAD_DIM)  # [BLOCK_N, D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_H]
         p = tl.math.exp2(qk * qk_scale - m_ij[:, None])  # [BLOCK_H, BLOCK_N]
@@ -377,8 +374,8 @@ def _decode_split(
 
     if full_hi < hi:  # the ragged last tile of the cache
         key_ok = (full_hi + offs_n) < hi  # [BLOCK_N]
-        k = tl.load(k_ptrs + full_hi.to(tl.int64) * stride_kn, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_ptrs + full_hi.to(tl.int64) * stride_vn, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        k = tl.load(k_ptrs + full_hi * HEAD_DIM, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptrs + full_hi * HEAD_DIM, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
         qk = tl.where(key_ok[None, :], qk * qk_scale, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))  # finite: key_ok has at least one key
@@ -393,9 +390,12 @@ def _decode_split(
     l_safe = tl.where(empty, 1.0, l_i)
     o_s = acc / l_safe[:, None]  # [BLOCK_H, D]
     lse_s = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # [BLOCK_H]
-    row = (off_b * (Hkv * GROUP) + heads).to(tl.int64) * num_splits + split  # [BLOCK_H] index into [B, H, S]
-    tl.store(LSE_part + row, lse_s, mask=head_ok)
-    tl.store(O_part + row[:, None] * HEAD_DIM + offs_d[None, :], o_s, mask=head_ok[:, None])
+    if DIRECT:
+        tl.store(O + bh[:, None] * HEAD_DIM + offs_d[None, :], o_s.to(O.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        row = bh * num_splits + split  # [BLOCK_H] index into [B, H, S]
+        tl.store(LSE_part + row, lse_s, mask=head_ok)
+        tl.store(O_part + row[:, None] * HEAD_DIM + offs_d[None, :], o_s, mask=head_ok[:, None])
 
 
 @triton.jit
@@ -423,21 +423,57 @@ def _decode_combine(
 
 
 _INTERPRETER_DECODE_CONFIG = dict(BLOCK_N=16, num_warps=4, num_stages=1)
-_GPU_DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=4)
+_SPLIT_ALIGN = 128  # keys per split: a multiple of every BLOCK_N below, so only the last split is ragged
+# (BLOCK_N, num_warps, num_stages): each program holds one SM (64-192 KB of pipelined K/V tiles)
+_DECODE_SHAPES = [(128, 4, 3), (64, 4, 4), (128, 8, 3), (64, 4, 3)]
+
+# A decode step is short (~0.1 ms for a 512 MiB cache), so the Python cost of a
+# launch matters: the tuned choice is kept in a plain dict (not triton.autotune),
+# the SM count is cached, and the split kernel takes no stride arguments.
+_decode_choice = {}  # (device, dtype, B, Hkv, Nk, num_splits, group, d) -> config dict
+_sm_count = {}
 
 
 def _num_sms(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_count:
+        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_count[idx]
 
 
-def _pick_num_splits(batch_kv_heads, Nk, block_n, num_sms):
-    """Enough programs to fill the chip about four times over, each a run of
-    at least 8 tiles, no more splits than tiles."""
-    tiles = triton.cdiv(Nk, block_n)
-    want = triton.cdiv(4 * num_sms, batch_kv_heads)
-    return max(1, min(want, tiles // 8 if tiles >= 8 else 1, 256))
+def _tune_decode(key, launch):
+    """Time each shape of _DECODE_SHAPES once for this key; keep the fastest."""
+    best = None
+    for bn, w, s in _DECODE_SHAPES:
+        cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=s)
+        ms = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=25, return_mode="median")
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    _decode_choice[key] = best[1]
+    return best[1]
+
+
+def _pick_num_splits(batch_kv_heads, Nk, num_sms, max_splits=128):
+    """The fewest splits that keep the SMs at least 95% busy.
+
+    Decode streams the cache once, so what matters is that every SM has a
+    program pulling bytes until the end. With one program per SM (their
+    pipelined tiles fill shared memory), B*Hkv*S programs run in
+    ceil(B*Hkv*S / num_sms) waves; S is the smallest split count whose waves
+    are at least 95% full. Each split keeps at least 4 * _SPLIT_ALIGN keys.
+    """
+    cap = max(1, min(max_splits, Nk // (4 * _SPLIT_ALIGN)))
+    best, best_fill = 1, 0.0
+    for s in range(1, cap + 1):
+        programs = batch_kv_heads * s
+        fill = programs / (num_sms * triton.cdiv(programs, num_sms))  # busy fraction of the SM slots
+        if fill >= 0.95:
+            return s
+        if fill > best_fill + 1e-9:
+            best, best_fill = s, fill
+    return best
 
 
 def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None):
@@ -470,31 +506,43 @@ def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None)
     if B == 0 or Nk == 0:
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
     group = H // Hkv
-    cfg = dict(config or (_INTERPRETER_DECODE_CONFIG if _interpreting() else _GPU_DECODE_CONFIG))
-    block_n = cfg["BLOCK_N"]
     if num_splits is None:
-        num_splits = _pick_num_splits(B * Hkv, Nk, block_n, _num_sms(q.device))
-    num_splits = int(num_splits)
+        num_splits = _pick_num_splits(B * Hkv, Nk, _num_sms(q.device))
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    keys_per_split = triton.cdiv(triton.cdiv(Nk, num_splits), block_n) * block_n  # whole tiles per split
+    align = 16 if _interpreting() else _SPLIT_ALIGN
+    keys_per_split = triton.cdiv(triton.cdiv(Nk, num_splits), align) * align  # whole tiles per split
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     qk_scale = float(sm_scale) * LOG2E
 
-    o_part = torch.empty((B, H, num_splits, d), device=q.device, dtype=torch.float32)  # [B, H, S, d]
-    lse_part = torch.empty((B, H, num_splits), device=q.device, dtype=torch.float32)  # [B, H, S]
+    direct = num_splits == 1
     o = torch.empty_like(q)  # [B, H, d]
-    _decode_split[(num_splits, B * Hkv)](
-        q, k, v, o_part, lse_part,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        Hkv, Nk, keys_per_split, num_splits, qk_scale,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, **cfg,
-    )
-    _decode_combine[(B * H,)](
-        o_part, lse_part, o, num_splits,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
-    )
+    if direct:  # nothing to combine: the split kernel writes O
+        o_part = lse_part = o
+    else:
+        o_part = torch.empty((B, H, num_splits, d), device=q.device, dtype=torch.float32)  # [B, H, S, d]
+        lse_part = torch.empty((B, H, num_splits), device=q.device, dtype=torch.float32)  # [B, H, S]
+    args = (q, k, v, o, o_part, lse_part, Hkv, Nk, keys_per_split, num_splits, qk_scale)
+    meta = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, DIRECT=direct)
+    grid = (num_splits, B * Hkv)
+
+    def launch(cfg):
+        _decode_split[grid](*args, **meta, **cfg)
+
+    if config is None and _interpreting():
+        config = _INTERPRETER_DECODE_CONFIG
+    if config is None:
+        key = (q.device, q.dtype, B, Hkv, Nk, num_splits, group, d)
+        config = _decode_choice.get(key) or _tune_decode(key, launch)
+    if keys_per_split % config["BLOCK_N"]:
+        raise ValueError(f"config BLOCK_N must divide {align}")
+    launch(config)
+    if not direct:
+        _decode_combine[(B * H,)](
+            o_part, lse_part, o, num_splits,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
+        )
     return o
