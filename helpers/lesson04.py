@@ -69,6 +69,13 @@ def work_fraction(N: int, Nk: int, Br: int, Bc: int, align: str = "top_left") ->
     return out
 
 
+def visible_tile_flops(mask: torch.Tensor, Br: int, Bc: int, d: int) -> int:
+    """Matmul FLOPs (Q K^T and P V) of the tiles of bool ``mask`` [N, Nk] that hold a visible key."""
+    N, Nk = mask.shape
+    return sum(4 * min(Br, N - i0) * min(Bc, Nk - j0) * d
+               for i0 in range(0, N, Br) for j0 in range(0, Nk, Bc) if mask[i0:i0 + Br, j0:j0 + Bc].any())
+
+
 def render_tile_classes(N: int = 20, Nk: int = 20, Br: int = 4, Bc: int = 4, align: str = "top_left", ax=None):
     """Heat map of the tile classes, with each query's visible keys drawn on top; returns the axes."""
     import matplotlib.pyplot as plt

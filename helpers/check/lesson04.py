@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import meter, reference
 from ..checking import Bug, Case, exercise
-from ..lesson04 import CLASSES
+from ..lesson04 import CLASSES, visible_tile_flops
 
 NEG_INF = -math.inf
 ALIGNS = ("top_left", "bottom_right")
@@ -244,8 +244,7 @@ def _idea(g):
         g.case = case
         r = meter.measure(g.fn, q.clone(), k.clone(), v.clone(), names=("q", "k", "v"), Br=Br, Bc=Bc, align=align)
         vis = reference.causal_mask(N, Nk, align)
-        need = sum(4 * min(Br, N - i0) * min(Bc, Nk - j0) * d
-                   for i0 in range(0, N, Br) for j0 in range(0, Nk, Bc) if vis[i0:i0 + Br, j0:j0 + Bc].any())
+        need = visible_tile_flops(vis, Br, Bc, d)
         every = 4 * N * Nk * d
         if r.flops > need:
             g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "

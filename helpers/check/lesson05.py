@@ -12,6 +12,7 @@ import torch
 
 from .. import meter, reference
 from ..checking import Bug, Case, exercise
+from ..lesson04 import visible_tile_flops
 from ..lesson05 import make_mask
 from .lesson04 import tiled_model
 
@@ -130,8 +131,7 @@ def _idea(g):
         g.case = Case(f"the work done (metered), {kind}", q, k, v, mask, Br=Br, Bc=Bc)
         r = meter.measure(g.fn, q.clone(), k.clone(), v.clone(), mask.clone(), names=("q", "k", "v", "mask"),
                           Br=Br, Bc=Bc)
-        need = sum(4 * min(Br, N - i0) * min(Bc, Nk - j0) * d
-                   for i0 in range(0, N, Br) for j0 in range(0, Nk, Bc) if mask[i0:i0 + Br, j0:j0 + Bc].any())
+        need = visible_tile_flops(mask, Br, Bc, d)
         if r.flops > need:
             g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "
                    f"(every tile: {4 * N * Nk * d:,})",
