@@ -12,7 +12,6 @@ import math
 import torch
 
 from . import meter
-from .lesson02 import flash_attn_v1_ref
 
 __all__ = ["loop_order", "render_loop_orders", "flash_attn_v2_ref", "flash_attn_v2_exp2", "q_block_order", "cost", "sweep_n", "sweep_tiles",
            "plot_v1_v2", "LOG2E"]

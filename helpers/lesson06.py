@@ -12,7 +12,6 @@ about 989 TFLOP/s dense BF16.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -1,0 +1,52 @@
+"""Every exercise of every lesson, found in its worked notebook's `check.<name>(<name>)` cells:
+the worked answer passes strict, the generated stub fails strict and shows ⏳ otherwise."""
+import re
+
+import nbformat
+import pytest
+
+from helpers import check
+from helpers.checking import REGISTRY
+from conftest import ROOT, notebook_namespace, rejects
+
+_CALL = re.compile(r"^check\.(\w+)\((\w+)\)", re.M)
+
+
+def _exercises():
+    found = []
+    for path in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code":
+                found += [(path.stem, name) for name, arg in _CALL.findall(cell.source) if name == arg]
+    return found
+
+
+EXERCISES = _exercises()
+_namespaces = {}
+
+
+def _ns(nb, learner):
+    if (nb, learner) not in _namespaces:
+        _namespaces[nb, learner] = notebook_namespace(nb, learner=learner)
+    return _namespaces[nb, learner]
+
+
+def test_every_checker_is_an_exercise_of_some_notebook():
+    assert sorted(REGISTRY) == sorted(name for _, name in EXERCISES)
+
+
+@pytest.mark.parametrize("nb, name", EXERCISES)
+def test_worked_answer_passes(nb, name, strict, capsys):
+    getattr(check, name)(_ns(nb, learner=False)[name])
+    assert f"✅ {name}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("nb, name", EXERCISES)
+def test_stub_fails_strict(nb, name, strict):
+    rejects(getattr(check, name), _ns(nb, learner=True)[name], "not attempted")
+
+
+@pytest.mark.parametrize("nb, name", EXERCISES)
+def test_stub_not_attempted(nb, name, not_strict, capsys):
+    getattr(check, name)(_ns(nb, learner=True)[name])
+    assert f"⏳ {name}: not attempted yet" in capsys.readouterr().out
