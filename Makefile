@@ -9,7 +9,7 @@ NBVAL   := -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-time
 export PYTHONPATH := $(CURDIR)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab check test notebooks check-notebooks check-solutions bench clean
+.PHONY: help setup lab grade check test notebooks check-notebooks check-solutions bench clean
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -28,6 +28,9 @@ $(BIN)/.installed: pyproject.toml
 lab: setup  ## open JupyterLab on notebooks/
 	$(BIN)/jupyter lab notebooks/
 
+grade: setup  ## a progress table of your notebooks/ (run headless; your files are not changed)
+	@$(BIN)/python -m helpers.grade notebooks
+
 notebooks: setup  ## regenerate notebooks/ from solutions/ (never overwrites your edits; FORCE=1 backs them up)
 	$(BIN)/python -m helpers.generate $(if $(FORCE),--force)
 
@@ -37,7 +40,10 @@ test: setup  ## the unit tests (checkers, planted bugs, generator, meter, kernel
 check-solutions: setup  ## run every worked notebook; every exercise must pass (COURSE_STRICT=1)
 	COURSE_STRICT=1 $(BIN)/python -m pytest $(NBVAL) solutions
 
-check-notebooks: setup  ## run every learner notebook; exercises show "not attempted"
+check-grade: setup  ## a progress table of your notebooks/ (run headless; your files are not changed)
+	@$(BIN)/python -m helpers.grade notebooks
+
+notebooks: setup  ## run every learner notebook; exercises show "not attempted"
 	$(BIN)/python -m pytest $(NBVAL) notebooks
 
 check: test check-solutions check-notebooks  ## everything CI runs: unit tests, then nbval over solutions/ and notebooks/

@@ -12,11 +12,13 @@ learner sees is one line:
 
 ``COURSE_STRICT=1`` turns "not attempted" into a failure (``make check`` runs the
 worked solutions that way). In IPython a ``CheckFailure`` is shown as its message
-alone, without a traceback through this package.
+alone, without a traceback through this package. With ``COURSE_GRADE_LOG`` set, each
+verdict is also appended to that file as a JSON line (``make grade`` reads it).
 """
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import traceback
@@ -309,6 +311,27 @@ def _hint_for_exception(e: Exception) -> str:
     return ""
 
 
+GRADE_LOG = "COURSE_GRADE_LOG"   # set by ``make grade``: a file that collects every verdict
+
+
+def _record(name: str, status: str, message: str) -> None:
+    """Append one verdict (status: pass / fail / todo) to $COURSE_GRADE_LOG, if it is set."""
+    path = os.environ.get(GRADE_LOG)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"exercise": name, "status": status, "message": message}) + "\n")
+
+
+def _say(name: str, status: str, line: str) -> None:
+    _record(name, status, line)
+    print(line)
+
+
+def _fail(name: str, message: str):
+    _record(name, "fail", message)
+    raise CheckFailure(message) from None
+
+
 def exercise(name: str, arg_names=None, reference: str = "the float64 reference"):
     """Register ``grade(g) -> str | None`` as the checker ``check.<name>(fn)``.
 
@@ -319,22 +342,22 @@ def exercise(name: str, arg_names=None, reference: str = "the float64 reference"
         @functools.wraps(grade)
         def checker(fn):
             if not callable(fn):
-                raise CheckFailure(f"❌ {name}: pass your function itself, e.g. check.{name}({name}), "
-                                   f"not a {type(fn).__name__}") from None
+                _fail(name, f"❌ {name}: pass your function itself, e.g. check.{name}({name}), "
+                            f"not a {type(fn).__name__}")
             g = Grader(name, fn, arg_names)
             try:
                 summary = grade(g)
             except _NotAttempted:
                 if strict():
-                    raise CheckFailure(f"❌ {name}: not attempted (COURSE_STRICT=1): the stub still raises "
-                                       "NotImplementedError") from None
-                print(f"⏳ {name}: not attempted yet")
+                    _fail(name, f"❌ {name}: not attempted (COURSE_STRICT=1): the stub still raises "
+                                "NotImplementedError")
+                _say(name, "todo", f"⏳ {name}: not attempted yet")
                 return None
             except CheckFailure as e:
-                raise CheckFailure(str(e)) from None
+                _fail(name, str(e))
             if summary is None:
                 summary = f"{g.cases} cases match {reference}, max rel err {g.max_rel_err:.0e}"
-            print(f"✅ {name}: {summary}")
+            _say(name, "pass", f"✅ {name}: {summary}")
             return None
         checker.exercise_name = name
         REGISTRY[name] = checker

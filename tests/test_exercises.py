@@ -1,23 +1,18 @@
 """Every exercise of every lesson, found in its worked notebook's `check.<name>(<name>)` cells:
 the worked answer passes strict, the generated stub fails strict and shows ⏳ otherwise."""
-import re
-
 import nbformat
 import pytest
 
 from helpers import check
+from helpers.grade import exercises_in
 from helpers.checking import REGISTRY
 from conftest import ROOT, notebook_namespace, rejects
-
-_CALL = re.compile(r"^check\.(\w+)\((\w+)\)", re.M)
 
 
 def _exercises():
     found = []
     for path in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
-        for cell in nbformat.read(path, as_version=4).cells:
-            if cell.cell_type == "code":
-                found += [(path.stem, name) for name, arg in _CALL.findall(cell.source) if name == arg]
+        found += [(path.stem, name) for _, name in exercises_in(nbformat.read(path, as_version=4))]
     return found
 
 
