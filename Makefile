@@ -9,7 +9,7 @@ NBVAL   := -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-time
 export PYTHONPATH := $(CURDIR)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab grade check test notebooks check-notebooks check-solutions bench clean
+.PHONY: help setup lab grade check test notebooks check-notebooks check-solutions run-solutions bench clean
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -37,13 +37,14 @@ notebooks: setup  ## regenerate notebooks/ from solutions/ (never overwrites you
 test: setup  ## the unit tests (checkers, planted bugs, generator, meter, kernels under the Triton interpreter)
 	$(BIN)/python -m pytest -q tests
 
+run-solutions: setup  ## (maintainers) re-run every worked notebook in place, saving its outputs
+	COURSE_STRICT=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+	  --ExecutePreprocessor.timeout=600 solutions/[0-9][0-9]_*.ipynb
+
 check-solutions: setup  ## run every worked notebook; every exercise must pass (COURSE_STRICT=1)
 	COURSE_STRICT=1 $(BIN)/python -m pytest $(NBVAL) solutions
 
-check-grade: setup  ## a progress table of your notebooks/ (run headless; your files are not changed)
-	@$(BIN)/python -m helpers.grade notebooks
-
-notebooks: setup  ## run every learner notebook; exercises show "not attempted"
+check-notebooks: setup  ## run every learner notebook; exercises show "not attempted"
 	$(BIN)/python -m pytest $(NBVAL) notebooks
 
 check: test check-solutions check-notebooks  ## everything CI runs: unit tests, then nbval over solutions/ and notebooks/
