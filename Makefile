@@ -9,7 +9,7 @@ NBVAL   := -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-time
 export PYTHONPATH := $(CURDIR)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab grade check test notebooks check-notebooks check-solutions run-solutions bench clean
+.PHONY: help setup lab grade check test notebooks check-notebooks check-solutions run-solutions e2e bench clean
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -47,7 +47,10 @@ check-solutions: setup  ## run every worked notebook; every exercise must pass (
 check-notebooks: setup  ## run every learner notebook; exercises show "not attempted"
 	$(BIN)/python -m pytest $(NBVAL) notebooks
 
-check: test check-solutions check-notebooks  ## everything CI runs: unit tests, then nbval over solutions/ and notebooks/
+e2e: setup  ## every notebook run in JupyterLab in headless Chromium, on a copy (screenshots: artifacts/e2e/)
+	$(BIN)/python -m pytest -q -p no:cacheprovider e2e
+
+check: test check-solutions check-notebooks e2e  ## everything CI runs: unit tests, nbval over solutions/ and notebooks/, e2e
 
 bench:  ## time the Triton kernels against SDPA (needs a CUDA GPU; writes bench/results/)
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench.py

@@ -96,12 +96,15 @@ def explorer(render, **controls) -> Interactive:
     for name, spec in controls.items():
         if isinstance(spec, (list, tuple)) and len(spec) == 4 and all(isinstance(x, int) for x in spec):
             lo, hi, step, value = spec
-            widgets[name] = w.IntSlider(value=value, min=lo, max=hi, step=step, description=name)
+            widgets[name] = w.IntSlider(value=value, min=lo, max=hi, step=step, description=name,
+                                        layout=w.Layout(width="280px"))
         elif isinstance(spec, (list, tuple)) and len(spec) > 0:
-            widgets[name] = w.Dropdown(options=list(spec), value=spec[0], description=name)
+            widgets[name] = w.Dropdown(options=list(spec), value=spec[0], description=name,
+                                       layout=w.Layout(width="280px"))
         else:
             raise TypeError(f"explorer: control {name!r} must be (lo, hi, step, value) or a list of options")
     out = w.interactive_output(lambda **v: _show_now(render, **v), widgets)
-    box = w.VBox([w.HBox(list(widgets.values())), out])
+    controls_row = w.HBox(list(widgets.values()), layout=w.Layout(flex_flow="row wrap"))
+    box = w.VBox([controls_row, out])
     initial = {name: wid.value for name, wid in widgets.items()}
     return Interactive(box, render, initial, f"explorer of {getattr(render, '__name__', 'a figure')}")

@@ -1,0 +1,170 @@
+"""JupyterLab in a real browser: a throwaway copy of the course, a lab server, headless Chromium.
+
+- The server runs from the project's environment (the ``jupyter`` next to this Python) on a
+  free loopback port, serving a temporary copy of ``notebooks/`` and ``solutions/``; its
+  config, data, runtime, settings and workspace folders are temporary too, so nothing of
+  the learner's (files, settings, other kernels) is read or written.
+- The browser is Chromium driven by Playwright: ``$COURSE_CHROMIUM``, else the system's
+  ``chromium`` (Debian's package), else Playwright's own download if there is one. With
+  none, the tests are skipped with the reason, or fail when ``COURSE_E2E_REQUIRED=1``
+  (CI sets it).
+- Screenshots go to ``artifacts/e2e/`` (git ignores ``artifacts/``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "artifacts" / "e2e"
+COURSE_FOLDERS = ("notebooks", "solutions")
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# JupyterLab settings for the throwaway profile: no news or update checks (no network here),
+# every cell kept in the page (no windowing), no autosave of the copies.
+LAB_SETTINGS = {
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings":
+        {"fetchNews": "false", "checkForUpdates": False},
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
+}
+
+
+def _unavailable(reason: str):
+    if os.environ.get("COURSE_E2E_REQUIRED") == "1":
+        pytest.fail(f"end-to-end tests required (COURSE_E2E_REQUIRED=1) but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tree_sha(folder: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.ipynb"))}
+
+
+@dataclass
+class Lab:
+    base: str        # http://127.0.0.1:<port>
+    token: str
+    root: Path       # the throwaway copy the server serves
+    log: Path
+
+    def url(self, notebook: str) -> str:
+        """A fresh workspace per notebook, so no earlier tab (and kernel) is restored."""
+        return f"{self.base}/lab/workspaces/e2e-{uuid.uuid4().hex[:8]}/tree/{notebook}?token={self.token}"
+
+    def api(self, path: str, method: str = "GET"):
+        req = urllib.request.Request(f"{self.base}/api/{path}", method=method,
+                                     headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def shut_down_kernels(self):
+        for session in self.api("sessions"):
+            self.api(f"sessions/{session['id']}", method="DELETE")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture(scope="session")
+def originals():
+    """The learner's and the worked notebooks as they were before the suite ran."""
+    return {f: _tree_sha(ROOT / f) for f in COURSE_FOLDERS}
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory, originals):
+    jupyter = Path(sys.executable).parent / "jupyter"
+    if not jupyter.exists():
+        _unavailable(f"no jupyter next to {sys.executable}: run `make setup` first")
+    tmp = tmp_path_factory.mktemp("lab")
+    root = tmp / "course"
+    for folder in COURSE_FOLDERS:
+        shutil.copytree(ROOT / folder, root / folder,
+                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "*.backup-*"))
+    for rel, value in LAB_SETTINGS.items():
+        path = tmp / "settings" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value))
+    env = dict(os.environ,
+               JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_DATA_DIR=str(tmp / "data"),
+               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"), PYTHONPATH=str(ROOT))
+    env.pop("COURSE_STRICT", None)            # in the lab, learner notebooks show ⏳
+    port, token = _free_port(), uuid.uuid4().hex
+    cmd = [str(jupyter), "lab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+           f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
+           "--LabApp.extension_manager=readonly", "--ServerApp.terminals_enabled=False"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")               # CI containers run as root
+    log = tmp / "lab.log"
+    server = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=root)
+    the_lab = Lab(f"http://127.0.0.1:{port}", token, root, log)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            the_lab.api("status")
+            break
+        except (urllib.error.URLError, ConnectionError, OSError):
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"JupyterLab did not start:\n{the_lab.log_tail()}", pytrace=False)
+            time.sleep(0.5)
+    yield the_lab
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def _chromium_path() -> str | None:
+    for candidate in (os.environ.get("COURSE_CHROMIUM"), shutil.which("chromium"),
+                      shutil.which("chromium-browser")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="session")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("Playwright is not installed: run `make setup`")
+    path = _chromium_path()
+    with sync_playwright() as p:
+        try:
+            b = p.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS) if path else \
+                p.chromium.launch(args=CHROMIUM_FLAGS)
+        except Exception as e:                      # no browser at all
+            _unavailable("no Chromium found (Debian: `apt-get install chromium`; or set COURSE_CHROMIUM): "
+                         + str(e).splitlines()[0])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="session")
+def artifacts():
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return ARTIFACTS
