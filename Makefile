@@ -28,8 +28,8 @@ $(BIN)/.installed: pyproject.toml
 lab: setup  ## open JupyterLab on notebooks/
 	$(BIN)/jupyter lab notebooks/
 
-grade: setup  ## a progress table of your notebooks/ (run headless; your files are not changed)
-	@$(BIN)/python -m helpers.grade notebooks
+grade: setup  ## a progress table of your notebooks/ (run headless; files unchanged; NB=<folder> for another)
+	@$(BIN)/python -m helpers.grade $(or $(NB),notebooks)
 
 notebooks: setup  ## regenerate notebooks/ from solutions/ (never overwrites your edits; FORCE=1 backs them up)
 	$(BIN)/python -m helpers.generate $(if $(FORCE),--force)

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -143,7 +144,9 @@ def grade(targets: list[str], timeout: int = 600, progress=None) -> list[Verdict
     return verdicts
 
 
-def format_table(verdicts: list[Verdict], width: int = 100) -> str:
+def format_table(verdicts: list[Verdict], width: int | None = None) -> str:
+    if width is None:
+        width = shutil.get_terminal_size((120, 24)).columns
     w_nb = max([len("notebook")] + [len(v.notebook) for v in verdicts])
     w_ex = max([len("exercise")] + [len(v.exercise) for v in verdicts])
     room = max(width - w_nb - w_ex - 8, 30)

@@ -7,9 +7,10 @@ control per keyword over ``render(**values)``.
 Both return an :class:`Interactive`. Displayed, it offers the frontend two forms of the
 same thing: the live widget (``application/vnd.jupyter.widget-view+json``) and a still
 PNG of its first frame (``image/png``). JupyterLab with ipywidgets ranks the widget first
-and shows it; a frontend without a widget manager (nbval, ``make grade``, nbconvert,
-GitHub's viewer, an untrusted notebook) shows the still figure instead, so a saved
-notebook always has the picture.
+and shows it (``make e2e`` checks that in Chromium); a frontend without a widget manager
+shows the still figure instead, and a notebook saved by nbval, nbclient or ``make grade``
+keeps the picture. (nbconvert's HTML export is not such a frontend: it prefers the widget
+view and draws it only with saved widget state.)
 """
 from __future__ import annotations
 
