@@ -244,19 +244,13 @@ def _idea(g):
         g.case = case
         r = meter.measure(g.fn, q.clone(), k.clone(), v.clone(), names=("q", "k", "v"), Br=Br, Bc=Bc, align=align)
         vis = reference.causal_mask(N, Nk, align)
-        need = visible_tile_flops(vis, Br, Bc, d)
-        every = 4 * N * Nk * d
-        if r.flops > need:
-            g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "
-                   f"(computing every tile costs {every:,})",
-                   hint="you computed tiles that are entirely above the diagonal and masked them afterwards: the "
-                        "result is right but causal attention saves nothing; skip those tiles (never compute "
-                        "their Q K^T or P V), that is where the 2x comes from")
-        if r.largest.numel >= N * Nk // 2:
-            g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}), "
-                   f"as large as the {N} x {Nk} score matrix",
-                   hint="FlashAttention never holds anything N x Nk, not even the mask: build each partial "
-                        "tile's mask from its row and column indices, [Br, Bc] at a time")
+        check_visible_work(
+            g, r, visible_tile_flops(vis, Br, Bc, d), N, Nk, d,
+            skip_hint="you computed tiles that are entirely above the diagonal and masked them afterwards: the "
+                      "result is right but causal attention saves nothing; skip those tiles (never compute "
+                      "their Q K^T or P V), that is where the 2x comes from",
+            tile_hint="FlashAttention never holds anything N x Nk, not even the mask: build each partial "
+                      "tile's mask from its row and column indices, [Br, Bc] at a time")
         counter = _NoopMasks()
         with counter:
             g.fn(q.clone(), k.clone(), v.clone(), Br=Br, Bc=Bc, align=align)
@@ -266,6 +260,17 @@ def _idea(g):
                    hint="full tiles need no mask at all, only tiles cut by the diagonal do; in the Triton kernel "
                         "this is the off-band loop (no mask) and the on-band loop (mask): most tiles are full, "
                         "so the mask's cost should be paid only on the band")
+
+
+def check_visible_work(g, r, need, N, Nk, d, skip_hint, tile_hint):
+    """Fail unless the metered run ``r`` did no more matmul FLOPs than ``need`` (the tiles with a
+    visible key) and made no tensor half the size of the ``N x Nk`` score matrix. Used by 04 and 05."""
+    if r.flops > need:
+        g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "
+               f"(computing every tile costs {4 * N * Nk * d:,})", hint=skip_hint)
+    if r.largest.numel >= N * Nk // 2:
+        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}), "
+               f"as large as the {N} x {Nk} score matrix", hint=tile_hint)
 
 
 @exercise("flash_attn_causal", arg_names=["q", "k", "v"], reference="SDPA (float64, both alignments)")

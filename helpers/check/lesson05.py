@@ -14,7 +14,7 @@ from .. import meter, reference
 from ..checking import Bug, Case, exercise
 from ..lesson04 import visible_tile_flops
 from ..lesson05 import make_mask
-from .lesson04 import tiled_model
+from .lesson04 import check_visible_work, tiled_model
 
 NEG_INF = -math.inf
 
@@ -131,17 +131,12 @@ def _idea(g):
         g.case = Case(f"the work done (metered), {kind}", q, k, v, mask, Br=Br, Bc=Bc)
         r = meter.measure(g.fn, q.clone(), k.clone(), v.clone(), mask.clone(), names=("q", "k", "v", "mask"),
                           Br=Br, Bc=Bc)
-        need = visible_tile_flops(mask, Br, Bc, d)
-        if r.flops > need:
-            g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "
-                   f"(every tile: {4 * N * Nk * d:,})",
-                   hint="you computed tiles in which no key is visible: their scores are all -inf and add "
-                        "nothing; skip them (`if not mask_tile.any(): continue`), so a sparse mask (a window, "
-                        "padding, packed documents) costs only its visible tiles")
-        if r.largest.numel >= N * Nk // 2:
-            g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}), "
-                   f"as large as the {N} x {Nk} score matrix",
-                   hint="work one [Br, Bc] tile at a time: slice the mask tile by tile as you slice K and V")
+        check_visible_work(
+            g, r, visible_tile_flops(mask, Br, Bc, d), N, Nk, d,
+            skip_hint="you computed tiles in which no key is visible: their scores are all -inf and add "
+                      "nothing; skip them (`if not mask_tile.any(): continue`), so a sparse mask (a window, "
+                      "padding, packed documents) costs only its visible tiles",
+            tile_hint="work one [Br, Bc] tile at a time: slice the mask tile by tile as you slice K and V")
 
 
 @exercise("flash_attn_masked", arg_names=["q", "k", "v", "mask"], reference="SDPA (float64, O = 0 and "
