@@ -61,7 +61,9 @@ _REDRAWN = """([index, before]) => {
 
 def _open_and_run_all(page, lab, notebook):
     page.goto(lab.url(notebook))
-    page.wait_for_function(f"() => !!({_PANEL} && {_PANEL}.sessionContext)", timeout=120_000)
+    # the app object appears some time after the page's load event: test for it before using it
+    page.wait_for_function(f"() => !!(window.jupyterapp && {_PANEL} && {_PANEL}.sessionContext)",
+                           timeout=120_000)
     page.evaluate(f"async () => {{ await {_PANEL}.context.ready; await {_PANEL}.sessionContext.ready; }}")
     page.wait_for_function(_KERNEL_IDLE, timeout=120_000)
     # resolves once every cell ran (false if one raised: the error shows in its outputs)
