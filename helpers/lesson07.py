@@ -259,8 +259,14 @@ def plot_decode(res, ceilings=None):
 
 # ------------------------------------------------------------------ live timing (CUDA only)
 def _do_bench(fn):
+    """Median time of ``fn`` in ms, as ``bench/bench.py`` measures it (same warm-up and repetitions).
+
+    ``triton.testing.do_bench`` returns the *mean* unless asked otherwise (its default
+    ``return_mode="mean"``), so the statistic is named here: the live cells and the committed
+    figures are then the same statistic.
+    """
     import triton
-    return triton.testing.do_bench(fn, warmup=25, rep=100)  # milliseconds, median
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # milliseconds
 
 
 def _sdpa_backends():
