@@ -3,6 +3,8 @@
 ``make_mask(kind, N, Nk)`` draws the usual sources of fully masked rows and empty tiles;
 ``mask_summary`` counts them; ``render_mask`` draws a mask with its tiles (the widget's
 picture). Masks are bool ``[N, Nk]``, True where query i may attend to key j.
+``lse_empty_to_neg_inf`` brings an lse written with FlashAttention-2's sentinel for an empty row
+(+inf) to the course's (-inf) before a merge.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["KINDS", "make_mask", "mask_summary", "render_mask"]
+__all__ = ["KINDS", "make_mask", "mask_summary", "render_mask", "lse_empty_to_neg_inf"]
 
 KINDS = ("bottom_right causal", "padding", "sliding window", "packed documents", "random")
 
@@ -94,3 +96,20 @@ def render_mask(kind: str = "bottom_right causal", N: int = 16, Nk: int = 12, Br
     ax.set_xlabel("key j")
     ax.set_ylabel("query i")
     return ax
+
+
+def lse_empty_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
+    """The same lse with the +inf sentinel of an empty row replaced by -inf (the course's convention).
+
+    A row that saw no key has no finite lse, so each library writes a sentinel:
+    FlashAttention-2's forward writes +inf (``Softmax::normalize_softmax_lse`` in
+    ``csrc/flash_attn/src/softmax.h``; ``mha_fwd`` also fills +inf when ``seqlen_k == 0``) so
+    that its backward's ``exp(S - lse)`` is ``exp(-inf) = 0`` on that row; its split-KV partials
+    use -inf, and so does FlashAttention-3 (``hopper/softmax.h``). A merge weighs a part by
+    ``exp(lse_s - max lse)``, so a +inf part poisons it (NaN); mapping +inf to -inf first gives
+    that part weight 0. A real lse is never +inf, so the mapping is safe. Returns a new tensor.
+    """
+    if not torch.is_tensor(lse) or not lse.is_floating_point():
+        raise TypeError(f"lse_empty_to_neg_inf: expected a floating-point tensor, got {type(lse).__name__}"
+                        + (f" of {lse.dtype}" if torch.is_tensor(lse) else ""))
+    return torch.where(torch.isposinf(lse), torch.full_like(lse, -math.inf), lse)

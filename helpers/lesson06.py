@@ -2,7 +2,12 @@
 
 - ``split_bounds(Nk, num_splits)``: the course's rule for cutting a KV cache into splits.
 - ``work_units`` / ``waves`` / ``suggest_splits``: how many independent blocks a decode
-  launch has and how well they fill the H200's 132 SMs.
+  launch has and how well they fill the H200's 132 SMs; ``suggest_splits`` is the *course's*
+  split rule (a simplification).
+- ``num_splits_heuristic`` / ``fa2_num_splits``: the *library's* rule, FlashAttention-2's
+  ``num_splits_heuristic`` and its call in ``set_params_splitkv`` (``csrc/flash_attn/flash_api.cpp``),
+  restated here so the course's rule and the library's can be shown side by side.
+- ``decode_flops_per_byte``: the arithmetic intensity of one decode step (G FLOP/byte in bf16).
 - ``kv_bytes_per_token`` / ``decode_kv_time_s``: decode is memory-bound; time ~ bytes / bandwidth.
 - ``make_paged_cache``: a contiguous cache cut into pages, scattered in a pool, with its block table.
 - ``plot_*`` / ``render_explorer``: the figures (matplotlib only; widgets call ``render_explorer``).
@@ -16,7 +21,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["H200_SMS", "H200_BYTES_PER_S", "H200_BF16_FLOPS", "split_bounds", "work_units", "waves",
-           "suggest_splits", "kv_bytes_per_token", "decode_kv_time_s", "make_paged_cache",
+           "suggest_splits", "num_splits_heuristic", "fa2_num_splits", "decode_flops_per_byte",
+           "kv_bytes_per_token", "decode_kv_time_s", "make_paged_cache",
            "plot_work_units", "plot_decode_time", "render_explorer", "plot_paged_cache", "MODELS",
            "try_run", "plot_split_weights"]
 
@@ -56,9 +62,14 @@ def waves(units: int, n_sms: int = H200_SMS) -> tuple[int, float]:
 
 def suggest_splits(B: int, H: int, Nk: int, n_sms: int = H200_SMS, BLOCK_N: int = 128,
                    max_splits: int = 128) -> int:
-    """A split count in the spirit of the library's heuristic: 1 when B*H already fills
-    80% of the SMs; else the fewest splits whose wave efficiency is within 85% of the best,
-    never more splits than key blocks of ``BLOCK_N`` keys."""
+    """The course's split rule (a simplification of FlashAttention-2's, not the same): 1 when
+    B*H already fills 80% of the SMs; else the fewest splits whose wave efficiency is within 85%
+    of the best, never more splits than key blocks of ``BLOCK_N`` keys.
+
+    Where the library differs (``fa2_num_splits``): it counts 2 blocks per SM (``2 * SMs``), it
+    counts KV heads, not query heads, in a GQA decode, its key tile depends on the head dim, and
+    it skips split counts that give the same tiles per split as one split fewer.
+    """
     base = B * H
     if base >= 0.8 * n_sms:
         return 1
@@ -69,7 +80,79 @@ def suggest_splits(B: int, H: int, Nk: int, n_sms: int = H200_SMS, BLOCK_N: int 
     return min(s for s, e in eff.items() if e >= 0.85 * best)
 
 
+def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int,
+                         max_splits: int) -> int:
+    """FlashAttention-2's ``num_splits_heuristic`` (``csrc/flash_attn/flash_api.cpp``), restated.
+
+    ``batch_nheads_mblocks`` blocks already there; ``num_sms`` is what the library passes, which
+    is ``2 * multiProcessorCount`` in current FA2 (see ``fa2_num_splits``). Rule: 1 split when
+    the blocks reach 80% of ``num_sms``; otherwise the smallest split count whose wave
+    efficiency ``w / ceil(w)`` (``w = blocks * splits / num_sms``) is at least 85% of the best,
+    over split counts up to ``min(max_splits, num_sms, num_n_blocks)``, leaving out any count
+    that gives each split as many key blocks as one split fewer does. The efficiency is
+    computed in float32, as the C++ does.
+    """
+    if min(batch_nheads_mblocks, num_sms, num_n_blocks, max_splits) < 1:
+        raise ValueError("num_splits_heuristic: every argument must be >= 1, got "
+                         f"{(batch_nheads_mblocks, num_sms, num_n_blocks, max_splits)}")
+    if batch_nheads_mblocks >= 0.8 * num_sms:
+        return 1
+    top = min(max_splits, num_sms, num_n_blocks)
+
+    def blocks_per_split(s):
+        return -(-num_n_blocks // s)
+
+    eligible = [s for s in range(1, top + 1) if s == 1 or blocks_per_split(s) != blocks_per_split(s - 1)]
+    eff = {}
+    for s in eligible:
+        w = torch.tensor(batch_nheads_mblocks * s, dtype=torch.float32) / num_sms   # float, as in C++
+        eff[s] = float(w / torch.ceil(w))
+    best = max(eff.values())
+    return next((s for s in eligible if eff[s] >= 0.85 * best), 1)
+
+
+def fa2_num_splits(B: int, H: int, Hkv: int, Nk: int, d: int, Nq: int = 1, n_sms: int = H200_SMS,
+                   dropout_p: float = 0.0) -> int:
+    """The split count FlashAttention-2 picks by itself (``num_splits=0``), as ``set_params_splitkv``
+    in ``csrc/flash_attn/flash_api.cpp`` computes it (v2.6-era and later source; older releases
+    passed ``multiProcessorCount`` instead of twice it, and at most 64 splits).
+
+    - no split with dropout (the split kernel has none);
+    - decode with GQA (``Nq == 1``, ``H > Hkv``, ``d % 8 == 0``, no window, no ALiBi) is first
+      reshaped (``seqlenq_ngroups_swapped``): the G query heads of a KV head become G query
+      *rows*, so the heuristic counts ``B * Hkv`` heads with ``ceil(G / 64)`` row blocks;
+    - row blocks of 64 (the split kernel's ``kBlockM``); key tiles ``kBlockN`` = 256 for
+      ``d <= 64``, 128 for ``d <= 128``, else 64;
+    - ``num_splits_heuristic(B * heads * m_blocks, 2 * SMs, n_blocks, 128)``: twice the SMs
+      "to hard-code the fact that we're using 128 threads per block" (the source's comment).
+    """
+    if H % Hkv or min(B, H, Hkv, Nk, d, Nq, n_sms) < 1:
+        raise ValueError(f"fa2_num_splits: need positive sizes and H % Hkv == 0, got H={H}, Hkv={Hkv}")
+    if dropout_p > 0:
+        return 1
+    heads, rows = H, Nq
+    if Nq == 1 and H > Hkv and d % 8 == 0:               # seqlenq_ngroups_swapped
+        heads, rows = Hkv, H // Hkv
+    block_n = 256 if d <= 64 else 128 if d <= 128 else 64
+    n_blocks = -(-Nk // block_n)
+    m_blocks = -(-rows // 64)
+    return num_splits_heuristic(B * heads * m_blocks, 2 * n_sms, n_blocks, 128)
+
+
 # ----------------------------------------------------------------- bytes and time
+def decode_flops_per_byte(G: int = 1, bytes_per_elem: int = 2) -> float:
+    """Arithmetic intensity of decode attention when each KV head is read once for its G query heads.
+
+    Per key and KV head: K_j and V_j are ``2 * d`` numbers (``2 * d * bytes_per_elem`` bytes);
+    each of the G query heads does ``2 * d`` FLOPs for ``q . K_j`` and ``2 * d`` for ``p * V_j``:
+    ``4 * d * G`` FLOPs. So ``2 * G / bytes_per_elem`` FLOP/byte: G in bf16/fp16, 1 per query head.
+    (A kernel that re-reads the KV head for every query head gets 1 FLOP/byte whatever G is.)
+    """
+    if G < 1 or bytes_per_elem <= 0:
+        raise ValueError(f"decode_flops_per_byte: need G >= 1 and bytes_per_elem > 0, got {G}, {bytes_per_elem}")
+    return 2 * G / bytes_per_elem
+
+
 def kv_bytes_per_token(layers: int, Hkv: int, d: int, bytes_per_elem: int = 2, **_) -> int:
     """Bytes of K and V one token adds to the cache, over all layers (bf16: 2 bytes)."""
     return 2 * layers * Hkv * d * bytes_per_elem

@@ -2,7 +2,8 @@
 
 Attention goes through ``torch.nn.functional.scaled_dot_product_attention`` (SDPA)
 and the log-sum-exp through ``torch.logsumexp``, both on float64 copies. The course's
-convention for a row with nothing to attend to (FlashAttention's): O = 0, lse = -inf.
+convention for a row with nothing to attend to: O = 0, lse = -inf (torch.logsumexp's value for
+an empty row; FlashAttention-2's own forward returns lse = +inf there, lesson 05 says why).
 CPU lessons work per head: q ``[N, d]``, k and v ``[Nk, d]``, scale ``1/sqrt(d)``.
 """
 from __future__ import annotations
