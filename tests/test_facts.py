@@ -180,3 +180,51 @@ def test_minus_1e6_in_float16_and_bfloat16():
     assert torch.allclose(P[1], torch.full((3,), 1 / 3))         # bf16: silent uniform average of V
     P = torch.softmax(S.half().masked_fill(empty, torch.finfo(torch.float16).min).float(), -1)
     assert torch.allclose(P[1], torch.full((3,), 1 / 3))         # finfo.min: the same silent bug
+
+
+# --------------------------------------------------------------------------- the notebooks' text
+def _markdown(name: str) -> str:
+    import nbformat
+    from pathlib import Path
+    nb = nbformat.read(Path(__file__).resolve().parent.parent / "solutions" / f"{name}.ipynb", as_version=4)
+    return "\n".join(c.source for c in nb.cells)
+
+
+# The library's keyword order, read in flash_attn/flash_attn_interface.py (a 2.6+ release: softcap, cache_leftpad).
+LIBRARY_SIGNATURES = {
+    "flash_attn_func": ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                        "alibi_slopes", "deterministic", "return_attn_probs"],
+    "flash_attn_varlen_func": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                               "dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
+                               "deterministic", "return_attn_probs", "block_table"],
+    "flash_attn_with_kvcache": ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+                                "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
+                                "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
+                                "return_softmax_lse"],
+}
+
+
+@pytest.mark.parametrize("fn", sorted(LIBRARY_SIGNATURES))
+def test_lesson06_table_gives_the_librarys_argument_order(fn):
+    import ast
+    import re
+    text = _markdown("06_flash_decoding")
+    m = re.search(rf"`({fn}\([^`]*\))`", text)
+    assert m, f"06's table no longer shows {fn}(...)"
+    call = ast.parse(m.group(1), mode="eval").body
+    names = [a.id for a in call.args] + [kw.arg for kw in call.keywords]
+    assert names == LIBRARY_SIGNATURES[fn]
+
+
+@pytest.mark.parametrize("name, wrong", [
+    ("05_fully_masked_rows", "The FlashAttention convention"),        # FA2 writes lse = +inf there
+    ("05_fully_masked_rows", "it rounds to −∞"),                      # masked_fill raises in float16
+    ("06_flash_decoding", "splits fall on page boundaries"),          # FA2 splits on kBlockN tiles
+    ("06_flash_decoding", "The library calls this\npacking GQA"),     # PackGQA is FA3's; FA2 swaps groups
+    ("06_flash_decoding", "a heuristic picks (like `L.suggest_splits`)"),
+    ("07_triton_gpu", "`do_bench` reports a median"),                 # its default is the mean
+    ("07_triton_gpu", "~2 FLOPs per query head"),                     # 1 FLOP per byte per query head
+    ("02_flash_attention_v1", "> The FLOPs are the same as standard attention"),   # forward only
+])
+def test_retracted_statements_stay_out(name, wrong):
+    assert wrong not in _markdown(name)
