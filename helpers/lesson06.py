@@ -114,8 +114,8 @@ def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: 
 def fa2_num_splits(B: int, H: int, Hkv: int, Nk: int, d: int, Nq: int = 1, n_sms: int = H200_SMS,
                    dropout_p: float = 0.0) -> int:
     """The split count FlashAttention-2 picks by itself (``num_splits=0``), as ``set_params_splitkv``
-    in ``csrc/flash_attn/flash_api.cpp`` computes it (v2.6-era and later source; older releases
-    passed ``multiProcessorCount`` instead of twice it, and at most 64 splits).
+    in ``csrc/flash_attn/flash_api.cpp`` computes it (the recent source; an older revision of the
+    file, commit 765fbd9, passed ``multiProcessorCount`` instead of twice it, and at most 64 splits).
 
     - no split with dropout (the split kernel has none);
     - decode with GQA (``Nq == 1``, ``H > Hkv``, ``d % 8 == 0``, no window, no ALiBi) is first

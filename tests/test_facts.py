@@ -190,7 +190,7 @@ def _markdown(name: str) -> str:
     return "\n".join(c.source for c in nb.cells)
 
 
-# The library's keyword order, read in flash_attn/flash_attn_interface.py (a 2.6+ release: softcap, cache_leftpad).
+# The library's keyword order, read in flash_attn/flash_attn_interface.py (a recent one, with softcap and cache_leftpad).
 LIBRARY_SIGNATURES = {
     "flash_attn_func": ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
                         "alibi_slopes", "deterministic", "return_attn_probs"],
