@@ -40,6 +40,7 @@ import helpers.triton_attention_bwd as tb  # noqa: E402
 from helpers.triton_attention import LOG2E, flash_attn_triton  # noqa: E402
 from helpers.triton_attention_bwd import flash_attention  # noqa: E402
 
+torch._functorch.config.donated_buffer = False  # FlexAttention's backward is timed with retain_graph=True
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -212,7 +213,7 @@ def sdpa_fwd(backend, causal):
     return fwd
 
 
-def run(quick):
+def run(quick, save=None):
     rows = []
     for dtype, d, causal, N, B, H in cases(quick):
         torch.manual_seed(N + d)
@@ -243,6 +244,8 @@ def run(quick):
             row["flex_tflops"] = None
         log("  backward", json.dumps(row))
         rows.append(row)
+        if save:
+            save(rows)
         del q, k, v, do
     return rows
 
@@ -327,7 +330,11 @@ def sweep():
                     f"{line['sdpa_cudnn_tflops']} separate {line['best_separate']} atomic {line['best_atomic']}")
                 res.append(line)
                 del q, k, v, do, o, dk, dv, dq, dq32
-    # flex: dynamic=True (used by the bench) vs a static compile, one shape
+    return {"dkdv_dq": res, "flex_dynamic_vs_static": flex_static_vs_dynamic()}
+
+
+def flex_static_vs_dynamic():
+    """FlexAttention's backward compiled with dynamic=True (as the bench does) and static, one shape."""
     N, d, B, H = 4096, 128, 8, 16
     q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     flops = 2.5 * 4 * B * H * N * N * d / 2
@@ -341,7 +348,7 @@ def sweep():
         fx[f"dynamic={dyn}"] = {"tflops": round(flops / ms / 1e9, 1), "compile_and_time_s": round(time.time() - t, 1)}
         torch._dynamo.reset()
     log("  flex bf16 d=128 causal N=4096:", fx)
-    return {"dkdv_dq": res, "flex_dynamic_vs_static": fx}
+    return fx
 
 
 # ----------------------------------------------------------------------------- report
@@ -399,6 +406,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time fixed configurations instead (writes *_bwd_sweep.json)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--no-ragged", action="store_true")
+    ap.add_argument("--flex-check", action="store_true", help="only FlexAttention dynamic vs static, one shape")
     ap.add_argument("--ragged-only", action="store_true", help="only the ragged correctness checks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -408,6 +416,11 @@ def main():
     stem = gpu.lower().replace("nvidia", "").strip().replace(" ", "_") or "gpu"
     t0 = time.time()
     log(f"{gpu} torch {torch.__version__} triton {triton.__version__}")
+    if args.flex_check:
+        fx = flex_static_vs_dynamic()
+        with open(os.path.join(args.out, f"{stem}_flex_check.json"), "w") as f:
+            json.dump(fx, f, indent=1)
+        return
     if args.sweep:
         res = sweep()
         res.update(gpu=gpu, torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat())
@@ -443,9 +456,12 @@ def main():
     if not args.no_ragged:
         result["backward_ragged"] = ragged_checks()
         log(f"ragged checks done at {time.time() - t0:.0f}s")
-    result["backward"] = run(args.quick)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    def save(rows):  # after every row: a run cut short keeps what it measured
+        result["backward"] = rows
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    save(run(args.quick, save))
     try:
         plot(result, os.path.join(args.out, f"{stem}_backward.png"))
     except Exception:

@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from helpers.triton_attention_bwd import flash_attention  # noqa: E402
 
-GPU_CONFIG = dict(n_layer=6, n_head=8, d_model=512, T=1024, batch=16, steps=400, lr=1e-3, warmup=30, eval_every=50,
+GPU_CONFIG = dict(n_layer=6, n_head=12, d_model=768, T=2048, batch=16, steps=300, lr=1e-3, warmup=30, eval_every=50,
                   eval_batches=4)
 TINY_CONFIG = dict(n_layer=1, n_head=2, d_model=32, T=32, batch=2, steps=2, lr=3e-3, warmup=1, eval_every=2, eval_batches=1)
 
@@ -159,6 +159,23 @@ def train(attn, cfg, data, val, device, dtype, seed=1234):
             "tokens_per_s": round(timed_tokens / train_s, 1), "timed_steps": cfg["steps"] - skip}
 
 
+def attention_ms(cfg, dtype):
+    """ms of one layer's attention, forward alone and forward + backward, at the training shape (CUDA)."""
+    import triton
+    B, H, T = cfg["batch"], cfg["n_head"], cfg["T"]
+    d = cfg["d_model"] // H
+    q, k, v, do = (torch.randn(B, H, T, d, device="cuda", dtype=dtype) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = {}
+    for name, fn in (("flash", lambda: flash_attention(q, k, v, causal=True)),
+                     ("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))):
+        fwd = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+        both = triton.testing.do_bench(lambda: fn().backward(do), warmup=10, rep=50, grad_to_none=[q, k, v],
+                                       return_mode="median")
+        out[name] = {"fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(both, 4)}
+    return out
+
+
 def plot(res, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -183,7 +200,7 @@ def plot(res, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="run on the CPU under TRITON_INTERPRET=1 (fp32)")
-    ap.add_argument("--tiny", action="store_true", help="the tiny configuration (1 layer, T = 40, 3 steps)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny configuration (1 layer, T = 32, 2 steps)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args()
@@ -206,6 +223,9 @@ def main():
         res["runs"][attn] = train(attn, cfg, data, val, device, dtype)
         print(f"{attn}: final loss {res['runs'][attn]['loss'][-1]:.4f}, "
               f"{res['runs'][attn]['tokens_per_s']:.0f} tokens/s", flush=True)
+    if device == "cuda":
+        res["attention_ms_one_layer"] = attention_ms(cfg, dtype)
+        print("attention, one layer at the training shape:", res["attention_ms_one_layer"], flush=True)
     a, b = res["runs"]["flash"]["loss"], res["runs"]["sdpa"]["loss"]
     res["max_loss_diff"] = round(max(abs(x - y) for x, y in zip(a, b)), 6)
     res["speedup_tokens_per_s"] = round(res["runs"]["flash"]["tokens_per_s"] / res["runs"]["sdpa"]["tokens_per_s"], 3)

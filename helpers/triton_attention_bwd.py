@@ -52,7 +52,7 @@ DEFAULT_DQ_MODE = "separate"
 # ----------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     # grid = (cdiv(N, BLOCK_M), B * H); all tensors contiguous: O, DO [B*H, N, D]; LSE, DELTA, LSE2 [B*H, N]
     off_bh = tl.program_id(1).to(tl.int64)
@@ -123,7 +123,8 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+# N, Nk, diag are not specialised on (their divisibility by 16): one compiled kernel serves every length
+@triton.jit(do_not_specialize=["N", "Nk", "diag"])
 def _bwd_dkdv(
     Q, K, V, DO, LSE2, DELTA, DK, DV, DQ,  # all contiguous [B*H, rows, D] / [B*H, N]; DQ fp32 if atomic
     N, Nk, diag, qk_scale, sm_scale,
@@ -224,7 +225,7 @@ def _bwd_dq_inner(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "Nk", "diag"])
 def _bwd_dq(
     Q, K, V, DO, LSE2, DELTA, DQ,
     N, Nk, diag, qk_scale, sm_scale,
@@ -280,9 +281,10 @@ def _cast_rows(SRC, DST, numel, BLOCK: tl.constexpr):
 _INTERPRETER_BWD_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 _PRE_BLOCK_M = 64
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner (chosen from the H200 sweep, NOTES.md)
-_DKDV_SHAPES = [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 4)]
-_DQ_SHAPES = [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 4)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner: the winners of the H200 sweep
+# (bench/NOTES.md, backward v1); dK/dV: 32x64 for d = 64, 64x128 / 128x128 for d = 128
+_DKDV_SHAPES = [(32, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
+_DQ_SHAPES = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
 
 
 def _configs(shapes):
