@@ -5,7 +5,7 @@
 For the prefill shapes of bench.py: the backward alone (``o.backward(do)`` with the forward done once,
 timed with ``triton.testing.do_bench``, median, L2 flushed) of ``flash_attention`` and of SDPA's flash
 and cuDNN backends (each forced with ``sdpa_kernel`` for its forward, whose saved state fixes the
-backward) and of FlexAttention (``torch.compile(flex_attention, dynamic=True)``: PyTorch's own
+backward) and of FlexAttention (``torch.compile(flex_attention)``, static shapes: PyTorch's own
 Triton-generated attention). TFLOP/s with FLOPs = 2.5 x 4*B*H*N^2*d, halved when causal.
 
 Correctness first, on every timed shape and on ragged ones (N, Nk not multiples of any block, both
@@ -40,6 +40,8 @@ import helpers.triton_attention_bwd as tb  # noqa: E402
 from helpers.triton_attention import LOG2E, flash_attn_triton  # noqa: E402
 from helpers.triton_attention_bwd import flash_attention  # noqa: E402
 
+import torch._dynamo  # noqa: E402
+import torch._functorch.config  # noqa: E402
 torch._functorch.config.donated_buffer = False  # FlexAttention's backward is timed with retain_graph=True
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -190,7 +192,12 @@ _flex = {}
 def flex_fn(causal, N):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     if "fn" not in _flex:
-        _flex["fn"] = torch.compile(flex_attention, dynamic=True)
+        # static shapes (dynamic=True ran 0.77x slower in the 2026-11-29 run) and room for one compile per shape
+        # (the default limit of 8 sent the 9th shape to the unfused eager path)
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 256)
+        _flex["fn"] = torch.compile(flex_attention, dynamic=False)
     bm = None
     if causal:
         bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, N, N, device="cuda")
@@ -451,7 +458,7 @@ def main():
         "date": datetime.date.today().isoformat(), "dq_mode": tb.DEFAULT_DQ_MODE,
         "timing": "o.backward(do) alone, triton.testing.do_bench median, L2 flushed; "
                   "FLOPs = 2.5 x 4*B*H*N^2*d, halved when causal",
-        "flex": "torch.compile(flex_attention, dynamic=True), causal through create_block_mask",
+        "flex": "torch.compile(flex_attention, dynamic=False), recompile limit 256, causal through create_block_mask",
         "rule": "each gradient's max error vs float64 autograd (first and last head) <= 2 x SDPA's + 1e-5"}
     if not args.no_ragged:
         result["backward_ragged"] = ragged_checks()
