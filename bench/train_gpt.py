@@ -34,7 +34,7 @@ from helpers.triton_attention_bwd import flash_attention  # noqa: E402
 
 GPU_CONFIG = dict(n_layer=6, n_head=12, d_model=768, T=2048, batch=16, steps=300, lr=1e-3, warmup=30, eval_every=50,
                   eval_batches=4)
-TINY_CONFIG = dict(n_layer=1, n_head=2, d_model=32, T=32, batch=2, steps=2, lr=3e-3, warmup=1, eval_every=2, eval_batches=1)
+TINY_CONFIG = dict(n_layer=1, n_head=2, d_model=32, T=16, batch=2, steps=2, lr=3e-3, warmup=1, eval_every=2, eval_batches=1)
 
 
 def corpus_bytes() -> bytes:
@@ -200,7 +200,7 @@ def plot(res, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="run on the CPU under TRITON_INTERPRET=1 (fp32)")
-    ap.add_argument("--tiny", action="store_true", help="the tiny configuration (1 layer, T = 32, 2 steps)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny configuration (1 layer, T = 16, 2 steps)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args()
