@@ -1,0 +1,485 @@
+"""`make bench`, backward part: the Triton backward of helpers/triton_attention_bwd.py against PyTorch's.
+
+    python3 bench/bench_bwd.py [--quick] [--sweep] [--out DIR]
+
+For the prefill shapes of bench.py: the backward alone (``o.backward(do)`` with the forward done once,
+timed with ``triton.testing.do_bench``, median, L2 flushed) of ``flash_attention`` and of SDPA's flash
+and cuDNN backends (each forced with ``sdpa_kernel`` for its forward, whose saved state fixes the
+backward) and of FlexAttention (``torch.compile(flex_attention)``, static shapes: PyTorch's own
+Triton-generated attention). TFLOP/s with FLOPs = 2.5 x 4*B*H*N^2*d, halved when causal.
+
+Correctness first, on every timed shape and on ragged ones (N, Nk not multiples of any block, both
+causal alignments): each gradient of the first and last (batch, head) against float64 autograd; the
+rule is FlashAttention's own test rule, error <= 2 x the error of SDPA's backward in the same dtype
+(+ a small floor); ``err_ratio`` = the worst of the three gradients' error over SDPA's.
+
+Writes the rows under "backward" (and "backward_meta") into <out>/<gpu>.json, keeping whatever else
+is there (bench.py's forward and decode rows), and <out>/<gpu>_backward.png. ``--sweep`` instead
+times fixed tile configurations of the dK/dV and dQ kernels, and atomic vs separate dQ, into
+<out>/<gpu>_bwd_sweep.json.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import helpers.triton_attention_bwd as tb  # noqa: E402
+from helpers.triton_attention import LOG2E, flash_attn_triton  # noqa: E402
+from helpers.triton_attention_bwd import flash_attention  # noqa: E402
+
+import torch._dynamo  # noqa: E402
+import torch._functorch.config  # noqa: E402
+torch._functorch.config.donated_buffer = False  # FlexAttention's backward is timed with retain_graph=True
+DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def bench_ms(fn, rep=60, grad_to_none=None):
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def cases(quick):
+    out = []
+    for dtype in ("float16", "bfloat16"):
+        for d in (64, 128):
+            for causal in (False, True):
+                for N in ((1024, 4096, 16384) if quick else (512, 1024, 2048, 4096, 8192, 16384)):
+                    out.append((dtype, d, causal, N, max(1, 32768 // N), 32 if d == 64 else 16))
+    return [c for c in out if not quick or c[0] == "bfloat16"]
+
+
+# ----------------------------------------------------------------------------- precompile
+
+
+def _warm_one(job):
+    """Compile one (kernel, specialisation, config) in a worker process; Triton's disk cache keeps it."""
+    kind, dtype, d, causal, atomic, cfg = job
+    import helpers.triton_attention_bwd as tbw
+    dt = DT[dtype]
+    N = 1024
+    q, k, v, do, dk, dv = (torch.empty(1, 1, N, d, device="cuda", dtype=dt) for _ in range(6))
+    lse2, delta = (torch.empty(1, 1, N, device="cuda", dtype=torch.float32) for _ in range(2))
+    bm, bn, w, s = cfg
+    meta = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    try:
+        if kind == "dkdv":
+            dq = torch.empty(1, 1, N, d, device="cuda", dtype=torch.float32 if atomic else dt)
+            tbw._bwd_dkdv.warmup(q, k, v, do, lse2, delta, dk, dv, dq, N, N, 0, 0.1, 0.1, DQ_ATOMIC=atomic,
+                                 grid=(1,), **meta)
+        else:
+            tbw._bwd_dq.warmup(q, k, v, do, lse2, delta, dk, N, N, 0, 0.1, 0.1, grid=(1,), **meta)
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"{job}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def precompile(jobs):
+    import multiprocessing as mp
+    t = time.time()
+    with mp.get_context("spawn").Pool(min(len(jobs), max(1, (os.cpu_count() or 2) - 1))) as pool:
+        errs = [e for e in pool.map(_warm_one, jobs) if e]
+    for e in errs:
+        log("  precompile failed:", e)
+    log(f"  precompiled {len(jobs)} kernels in {time.time() - t:.0f}s")
+
+
+# ----------------------------------------------------------------------------- correctness
+
+
+def ref_grads(q, k, v, do, causal, diag, sm_scale):
+    """float64 autograd (O, dq, dk, dv) for one head q [N, d], k, v [Nk, d]; rows that see nothing: 0."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = (q @ k.T) * sm_scale  # [N, Nk]
+    N, Nk = s.shape
+    if causal:
+        keep = torch.arange(Nk, device=q.device)[None, :] <= torch.arange(N, device=q.device)[:, None] + diag
+        empty = ~keep.any(-1)
+        s = s.masked_fill(~keep, float("-inf")).masked_fill(empty[:, None], 0.0)
+        p = torch.softmax(s, -1) * (~empty)[:, None]
+    else:
+        p = torch.softmax(s, -1)
+    o = p @ v
+    o.backward(do.double())
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def sdpa_grads(q, k, v, do, causal, diag):
+    """SDPA's own gradients in the inputs' dtype (default dispatch; an explicit mask when bottom-right)."""
+    a = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    N, Nk = q.shape[-2], k.shape[-2]
+    if causal and diag != 0:
+        keep = torch.arange(Nk, device=q.device)[None, :] <= torch.arange(N, device=q.device)[:, None] + diag
+        o = F.scaled_dot_product_attention(*a, attn_mask=keep)
+    else:
+        o = F.scaled_dot_product_attention(*a, is_causal=causal)
+    o.backward(do)
+    return [t.grad.nan_to_num() for t in a]  # SDPA gives NaN on rows that see no key; the convention is 0
+
+
+def check_grads(q, k, v, do, causal, align="top_left"):
+    """Gradients of flash_attention vs float64 on the first and last head; SDPA's error as the yardstick."""
+    B, H, N, d = q.shape
+    Nk = k.shape[-2]
+    diag = (Nk - N) if (causal and align == "bottom_right") else 0
+    a = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    flash_attention(*a, causal=causal, align=align).backward(do)
+    mine = [t.grad for t in a]
+    theirs = sdpa_grads(q, k, v, do, causal, diag)
+    out = {}
+    for b, h in {(0, 0), (B - 1, H - 1)}:
+        _, *refs = ref_grads(q[b, h], k[b, h], v[b, h], do[b, h], causal, diag, 1 / math.sqrt(d))
+        for name, m, t, r in zip(("dq", "dk", "dv"), mine, theirs, refs):
+            e_m = (m[b, h].double() - r).abs().max().item()
+            e_t = (t[b, h].double() - r).abs().max().item()
+            out[name] = (max(out.get(name, (0, 0))[0], e_m), max(out.get(name, (0, 0))[1], e_t))
+    finite = all(bool(torch.isfinite(m).all()) for m in mine)
+    floor = 1e-5
+    ratio = max(e / max(s, floor) for e, s in out.values())
+    ok = finite and all(e <= 2 * s + floor for e, s in out.values())
+    return {"pass": ok, "err_ratio": round(ratio, 3),
+            "grad_err": {k_: [float(f"{e:.3g}"), float(f"{s:.3g}")] for k_, (e, s) in out.items()}}
+
+
+def ragged_checks():
+    rows = []
+    for dtype in ("float16", "bfloat16"):
+        for (B, H, N, Nk, d, causal, align) in [
+            (2, 3, 1000, 1000, 64, False, "top_left"), (2, 3, 1000, 1000, 128, True, "top_left"),
+            (1, 4, 777, 1531, 128, True, "bottom_right"), (1, 4, 1531, 777, 64, True, "bottom_right"),
+            (1, 4, 1531, 777, 128, True, "top_left"), (3, 2, 333, 2049, 64, False, "top_left"),
+        ]:
+            torch.manual_seed(N + Nk + d)
+            q, k, v = (torch.randn(B, H, n, d, device="cuda", dtype=DT[dtype]) for n in (N, Nk, Nk))
+            do = torch.randn_like(q)
+            row = {"dtype": dtype, "B": B, "H": H, "N": N, "Nk": Nk, "d": d, "causal": causal, "align": align}
+            for mode in ("separate", "atomic"):
+                tb.DEFAULT_DQ_MODE, saved = mode, tb.DEFAULT_DQ_MODE
+                try:
+                    row[mode] = check_grads(q, k, v, do, causal, align)
+                except Exception:
+                    traceback.print_exc()
+                    row[mode] = {"pass": False}
+                finally:
+                    tb.DEFAULT_DQ_MODE = saved
+            log("  ragged", json.dumps(row))
+            rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+_flex = {}
+
+
+def flex_fn(causal, N):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if "fn" not in _flex:
+        # static shapes (dynamic=True ran 0.77x slower in the 2026-11-29 run) and room for one compile per shape
+        # (the default limit of 8 sent the 9th shape to the unfused eager path)
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 256)
+        _flex["fn"] = torch.compile(flex_attention, dynamic=False)
+    bm = None
+    if causal:
+        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, N, N, device="cuda")
+    return lambda q, k, v: _flex["fn"](q, k, v, block_mask=bm)
+
+
+def time_backward(fwd, q, k, v, do):
+    """ms of o.backward(do) alone (the forward done once, its graph kept)."""
+    a = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = fwd(*a)
+    o.backward(do, retain_graph=True)
+    torch.cuda.synchronize()
+    return bench_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=a)
+
+
+def sdpa_fwd(backend, causal):
+    def fwd(q, k, v):
+        with sdpa_kernel(BACKENDS[backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return fwd
+
+
+def run(quick, save=None):
+    rows = []
+    for dtype, d, causal, N, B, H in cases(quick):
+        torch.manual_seed(N + d)
+        q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=DT[dtype]) for _ in range(4))
+        flops = 2.5 * 4 * B * H * N * N * d / (2 if causal else 1)
+        tf = lambda ms: None if ms is None else round(flops / ms / 1e9, 1)  # noqa: E731
+        row = {"dtype": dtype, "d": d, "causal": causal, "N": N, "B": B, "H": H}
+        try:
+            row.update(check_grads(q, k, v, do, causal))
+            row["triton_tflops"] = tf(time_backward(lambda *a: flash_attention(*a, causal=causal), q, k, v, do))
+            row["dq_mode"] = tb.DEFAULT_DQ_MODE
+            for name, kern in (("dkdv", tb._bwd_dkdv_tuned), ("dq", tb._bwd_dq_tuned)):
+                cfg = getattr(kern, "best_config", None)
+                row[f"config_{name}"] = str(cfg) if cfg is not None else None
+        except Exception:
+            traceback.print_exc()
+            row.update({"pass": False, "triton_tflops": None})
+        for name in ("flash", "cudnn"):
+            try:
+                row[f"sdpa_{name}_tflops"] = tf(time_backward(sdpa_fwd(name, causal), q, k, v, do))
+            except Exception as e:
+                log(f"    sdpa {name} refused: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                row[f"sdpa_{name}_tflops"] = None
+        try:
+            row["flex_tflops"] = tf(time_backward(flex_fn(causal, N), q, k, v, do))
+        except Exception as e:
+            log(f"    flex failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            row["flex_tflops"] = None
+        log("  backward", json.dumps(row))
+        rows.append(row)
+        if save:
+            save(rows)
+        del q, k, v, do
+    return rows
+
+
+# ----------------------------------------------------------------------------- sweep
+
+
+SWEEP_DKDV = [(32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3),
+              (16, 128, 4, 4), (128, 128, 8, 2)]
+SWEEP_DQ = [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 4), (128, 64, 4, 3)]
+
+
+def sweep():
+    res = []
+    jobs = [("dkdv", "bfloat16", d, c, a, cfg) for d in (64, 128) for c in (False, True) for a in (False, True)
+            for cfg in SWEEP_DKDV]
+    jobs += [("dq", "bfloat16", d, c, False, cfg) for d in (64, 128) for c in (False, True) for cfg in SWEEP_DQ]
+    precompile(jobs)
+    for d in (64, 128):
+        for causal in (False, True):
+            for N in (4096, 16384):
+                B, H = 32768 // N, (32 if d == 64 else 16)
+                torch.manual_seed(0)
+                q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                o, lse = flash_attn_triton(q, k, v, causal=causal)
+                flops = 2.5 * 4 * B * H * N * N * d / (2 if causal else 1)
+                delta = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
+                lse2 = torch.empty_like(delta)
+                tb._bwd_preprocess[(triton.cdiv(N, 64), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d, BLOCK_M=64)
+                pre_ms = bench_ms(lambda: tb._bwd_preprocess[(triton.cdiv(N, 64), B * H)](
+                    o, do, lse, delta, lse2, N, HEAD_DIM=d, BLOCK_M=64))
+                line = {"d": d, "causal": causal, "N": N, "B": B, "H": H, "preprocess_ms": round(pre_ms, 4)}
+                dk, dv = torch.empty_like(k), torch.empty_like(v)
+                dq = torch.empty_like(q)
+                dq32 = torch.zeros(B, H, N, d, device="cuda", dtype=torch.float32)
+                sc = 1 / math.sqrt(d)
+                for atomic in (False, True):
+                    for cfg in SWEEP_DKDV:
+                        bm, bn, w, s = cfg
+                        tag = f"dkdv{'_atomic' if atomic else ''}_{bm}x{bn}_w{w}_s{s}"
+                        try:
+                            def go():
+                                if atomic:
+                                    dq32.zero_()
+                                tb._bwd_dkdv[(triton.cdiv(N, bn), B * H)](
+                                    q, k, v, do, lse2, delta, dk, dv, dq32 if atomic else dq, N, N, 0, sc * LOG2E, sc,
+                                    HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=bn,
+                                    num_warps=w, num_stages=s)
+                            go()
+                            line[tag] = round(bench_ms(go, rep=40), 4)
+                        except Exception as e:
+                            line[tag] = None
+                            log("   ", tag, type(e).__name__, str(e).splitlines()[0][:120] if str(e) else "")
+                for cfg in SWEEP_DQ:
+                    bm, bn, w, s = cfg
+                    tag = f"dq_{bm}x{bn}_w{w}_s{s}"
+                    try:
+                        def go():
+                            tb._bwd_dq[(triton.cdiv(N, bm), B * H)](
+                                q, k, v, do, lse2, delta, dq, N, N, 0, sc * LOG2E, sc,
+                                HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+                        go()
+                        line[tag] = round(bench_ms(go, rep=40), 4)
+                    except Exception as e:
+                        line[tag] = None
+                        log("   ", tag, type(e).__name__, str(e).splitlines()[0][:120] if str(e) else "")
+                zero_ms = bench_ms(lambda: dq32.zero_())
+                line["zero_dq32_ms"] = round(zero_ms, 4)
+                for name in ("flash", "cudnn"):
+                    ms = time_backward(sdpa_fwd(name, causal), q, k, v, do)
+                    line[f"sdpa_{name}_tflops"] = round(flops / ms / 1e9, 1)
+
+                def best(prefix):
+                    ks = [kk for kk in line if kk.startswith(prefix + "_") and line[kk]
+                          and (prefix != "dkdv" or "atomic" not in kk)]
+                    return min(ks, key=lambda kk: line[kk])
+                sep = line[best("dkdv")] + line[best("dq")] + pre_ms
+                atom = line[best("dkdv_atomic")] + zero_ms + pre_ms
+                line["best_separate"] = [best("dkdv"), best("dq"), round(flops / sep / 1e9, 1)]
+                line["best_atomic"] = [best("dkdv_atomic"), round(flops / atom / 1e9, 1)]
+                log(f"  sweep d={d} causal={causal} N={N}: flash {line['sdpa_flash_tflops']} cudnn "
+                    f"{line['sdpa_cudnn_tflops']} separate {line['best_separate']} atomic {line['best_atomic']}")
+                res.append(line)
+                del q, k, v, do, o, dk, dv, dq, dq32
+    return {"dkdv_dq": res, "flex_dynamic_vs_static": flex_static_vs_dynamic()}
+
+
+def flex_static_vs_dynamic():
+    """FlexAttention's backward compiled with dynamic=True (as the bench does) and static, one shape."""
+    N, d, B, H = 4096, 128, 8, 16
+    q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    flops = 2.5 * 4 * B * H * N * N * d / 2
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, N, N, device="cuda")
+    fx = {}
+    for dyn in (True, False):
+        fn = torch.compile(flex_attention, dynamic=dyn)
+        t = time.time()
+        ms = time_backward(lambda a, b_, c: fn(a, b_, c, block_mask=bm), q, k, v, do)
+        fx[f"dynamic={dyn}"] = {"tflops": round(flops / ms / 1e9, 1), "compile_and_time_s": round(time.time() - t, 1)}
+        torch._dynamo.reset()
+    log("  flex bf16 d=128 causal N=4096:", fx)
+    return fx
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def summary(rows):
+    lines = ["backward (TFLOP/s) dtype    d  causal     N   triton  flash  cudnn   flex  t/flash t/cudnn t/flex"
+             "  err_ratio ok"]
+    for r in rows:
+        t, f, c, x = (r.get(k) for k in ("triton_tflops", "sdpa_flash_tflops", "sdpa_cudnn_tflops", "flex_tflops"))
+        lines.append(f"  {r['dtype']:>16} {r['d']:>4} {str(r['causal']):>7} {r['N']:>5} {t or 0:>8.0f} {f or 0:>6.0f} "
+                     f"{c or 0:>6.0f} {x or 0:>6.0f} {t / f if t and f else 0:>8.2f} {t / c if t and c else 0:>7.2f} "
+                     f"{t / x if t and x else 0:>6.2f} {r.get('err_ratio', 0):>10.2f} {'ok' if r.get('pass') else 'FAIL'}")
+    big = [r for r in rows if r["N"] >= 2048 and r.get("triton_tflops")]
+    for other, target in (("sdpa_flash_tflops", 1.3), ("sdpa_cudnn_tflops", 0.8), ("flex_tflops", 1.0)):
+        g = geomean([r["triton_tflops"] / r[other] for r in big if r.get(other)])
+        lines.append(f"  geomean N>=2048 triton / {other[:-7]}: {g:.3f} (target {target})")
+    lines.append(f"  backward correctness: {sum(bool(r.get('pass')) for r in rows)}/{len(rows)} pass")
+    return "\n".join(lines)
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in result["backward"] if r["dtype"] == "bfloat16"]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.8), sharey=True)
+    for ax, (d, causal) in zip(axes, ((64, False), (64, True), (128, False), (128, True))):
+        sel = sorted((r for r in rows if r["d"] == d and r["causal"] == causal), key=lambda r: r["N"])
+        for key, style, label in (("triton_tflops", "-o", "Triton (course)"), ("sdpa_flash_tflops", "--s", "SDPA flash"),
+                                  ("sdpa_cudnn_tflops", "--^", "SDPA cuDNN"), ("flex_tflops", ":v", "FlexAttention")):
+            pts = [(r["N"], r[key]) for r in sel if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), style, ms=3, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"bf16, d={d}, {'causal' if causal else 'full'}", fontsize=9)
+        ax.set_xlabel("N")
+    axes[0].set_ylabel("TFLOP/s (backward, 2.5 x 4BHN²d)")
+    axes[0].legend(fontsize=7)
+    meta = result["backward_meta"]
+    fig.suptitle(f"backward on {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · {meta['date']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="bf16 and three lengths only")
+    ap.add_argument("--sweep", action="store_true", help="time fixed configurations instead (writes *_bwd_sweep.json)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--no-ragged", action="store_true")
+    ap.add_argument("--flex-check", action="store_true", help="only FlexAttention dynamic vs static, one shape")
+    ap.add_argument("--ragged-only", action="store_true", help="only the ragged correctness checks")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_bwd.py needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    stem = gpu.lower().replace("nvidia", "").strip().replace(" ", "_") or "gpu"
+    t0 = time.time()
+    log(f"{gpu} torch {torch.__version__} triton {triton.__version__}")
+    if args.flex_check:
+        fx = flex_static_vs_dynamic()
+        with open(os.path.join(args.out, f"{stem}_flex_check.json"), "w") as f:
+            json.dump(fx, f, indent=1)
+        return
+    if args.sweep:
+        res = sweep()
+        res.update(gpu=gpu, torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat())
+        with open(os.path.join(args.out, f"{stem}_bwd_sweep.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        log(f"sweep done in {time.time() - t0:.0f}s")
+        return
+    atomics = (False, True) if not args.no_ragged else (tb.DEFAULT_DQ_MODE == "atomic",)
+    jobs = [("dkdv", dt, d, c, a, cfg) for dt in DT for d in (64, 128) for c in (False, True) for a in atomics
+            for cfg in tb._DKDV_SHAPES]
+    jobs += [("dq", dt, d, c, False, cfg) for dt in DT for d in (64, 128) for c in (False, True)
+             for cfg in tb._DQ_SHAPES]
+    precompile(jobs)
+    if args.ragged_only:
+        rag = ragged_checks()
+        with open(os.path.join(args.out, f"{stem}_bwd_ragged.json"), "w") as f:
+            json.dump(rag, f, indent=1)
+        log(f"ragged: {sum(r['separate'].get('pass', False) for r in rag)}/{len(rag)} separate, "
+            f"{sum(r['atomic'].get('pass', False) for r in rag)}/{len(rag)} atomic pass")
+        return
+    path = os.path.join(args.out, f"{stem}.json")
+    result = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            result = json.load(f)
+    result["backward_meta"] = {
+        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(), "dq_mode": tb.DEFAULT_DQ_MODE,
+        "timing": "o.backward(do) alone, triton.testing.do_bench median, L2 flushed; "
+                  "FLOPs = 2.5 x 4*B*H*N^2*d, halved when causal",
+        "flex": "torch.compile(flex_attention, dynamic=False), recompile limit 256, causal through create_block_mask",
+        "rule": "each gradient's max error vs float64 autograd (first and last head) <= 2 x SDPA's + 1e-5"}
+    if not args.no_ragged:
+        result["backward_ragged"] = ragged_checks()
+        log(f"ragged checks done at {time.time() - t0:.0f}s")
+    def save(rows):  # after every row: a run cut short keeps what it measured
+        result["backward"] = rows
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    save(run(args.quick, save))
+    try:
+        plot(result, os.path.join(args.out, f"{stem}_backward.png"))
+    except Exception:
+        traceback.print_exc()
+    log(f"done in {time.time() - t0:.0f}s; wrote {path}")
+    rag = result.get("backward_ragged", [])
+    if rag:
+        log(f"ragged: {sum(r['separate'].get('pass', False) for r in rag)}/{len(rag)} separate, "
+            f"{sum(r['atomic'].get('pass', False) for r in rag)}/{len(rag)} atomic pass")
+    log(summary(result["backward"]))
+
+
+if __name__ == "__main__":
+    main()

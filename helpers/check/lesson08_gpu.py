@@ -1,0 +1,218 @@
+"""Checker of lesson 08's GPU exercise: ``dkdv_inner``, the inner loop of the dK/dV kernel in Triton.
+
+The learner's ``@triton.jit`` function is called by the course's launcher
+(``helpers.triton_attention_bwd.dkdv_teaching``: forward, preprocess D = rowsum(dO * O) and the base-2
+lse, then one program per BLOCK_N keys calling the inner loop over query blocks). Its (dK, dV) are
+compared with float64 autograd (``helpers.lesson08_gpu.reference_grads``). The rule is FlashAttention's
+test rule: error at most twice SDPA's own backward error in the same dtype, plus the rounding of the
+answer to that dtype. Runs under ``TRITON_INTERPRET=1`` on a CPU (fp32, fp16) or natively on a CUDA GPU
+(fp16, bf16). This module must not import triton at module level: every notebook imports it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import lesson08_gpu
+from ..checking import Bug, Case, exercise
+
+LOG2E = lesson08_gpu.LOG2E
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dtypes():
+    return (torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
+
+
+def _randn(gen, *shape, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(_device())
+
+
+def _launcher(inner):
+    """``f(q, k, v, do, causal=False) -> (dk, dv)`` through the course's kernel; stubs raise NotImplementedError."""
+    def run(q, k, v, do, causal=False):
+        from ..triton_attention_bwd import dkdv_teaching
+        try:
+            return dkdv_teaching(q, k, v, do, inner, causal=causal)
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            if "NotImplementedError" in f"{e!r} {e}":
+                raise NotImplementedError(str(e)) from None
+            raise
+    run.__name__ = getattr(inner, "__name__", "dkdv_inner")
+    return run
+
+
+# ------------------------------------------------------------------ float64 pieces and bug models
+def _pieces(case):
+    """float64 S, P, dP, D, lse (causal top-left) for a case's q, k, v, do: each [B, H, N, Nk] or [B, H, N]."""
+    q, k, v, do = (t.double().cpu() for t in case.args[:4])
+    causal = case.kwargs.get("causal", False)
+    scale = 1 / math.sqrt(q.shape[-1])
+    s = (q @ k.transpose(-1, -2)) * scale
+    N, Nk = s.shape[-2:]
+    keep = torch.ones(N, Nk, dtype=torch.bool)
+    if causal:
+        keep = torch.arange(Nk)[None, :] <= torch.arange(N)[:, None]
+    lse = torch.logsumexp(s.masked_fill(~keep, -math.inf), -1)               # [B, H, N]
+    lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, math.inf), lse)
+    p = torch.exp(s - lse_safe[..., None]).masked_fill(~keep, 0.0)           # [B, H, N, Nk]
+    dp = do @ v.transpose(-1, -2)                                             # [B, H, N, Nk]
+    delta = (p * dp).sum(-1)                                                  # [B, H, N] = rowsum(dO * O)
+    return dict(q=q, k=k, v=v, do=do, s=s, p=p, dp=dp, delta=delta, lse=lse_safe, keep=keep, scale=scale,
+                causal=causal)
+
+
+def _tiles():
+    """(BLOCK_M, BLOCK_N) of the course's launcher (``dkdv_teaching``): 16 x 16 interpreted, 64 x 64 on a GPU."""
+    return (64, 64) if torch.cuda.is_available() else (16, 16)
+
+
+def _bugs():
+    def no_delta_dk(c):
+        x = _pieces(c)
+        return (x["p"] * x["dp"]).transpose(-1, -2) @ x["q"] * x["scale"]
+
+    def exp_p(x):  # tl.exp on base-2 scores: exp(log2(e) * (s - lse))
+        return torch.exp(LOG2E * (x["s"] - x["lse"][..., None])).masked_fill(~x["keep"], 0.0)
+
+    def exp_dv(c):
+        x = _pieces(c)
+        return exp_p(x).transpose(-1, -2) @ x["do"]
+
+    def exp_dk(c):
+        x = _pieces(c)
+        p = exp_p(x)
+        return (p * (x["dp"] - x["delta"][..., None])).transpose(-1, -2) @ x["q"] * x["scale"]
+
+    def unmasked_p(x):  # no causal mask: keys after the row get exp(s - lse) too, in every visited block
+        N, Nk = x["s"].shape[-2:]
+        bm, bn = _tiles()
+        first_row = (torch.arange(Nk) // bn * bn) // bm * bm              # [Nk] the launcher's lo per key
+        visited = torch.arange(N)[:, None] >= first_row[None, :]           # [N, Nk]
+        p = torch.exp(x["s"] - x["lse"][..., None]).nan_to_num(0.0, 0.0, 0.0)
+        return p.masked_fill(~visited, 0.0) if x["causal"] else p
+
+    def nomask_dv(c):
+        x = _pieces(c)
+        return unmasked_p(x).transpose(-1, -2) @ x["do"]
+
+    def nomask_dk(c):
+        x = _pieces(c)
+        p = unmasked_p(x)
+        return (p * (x["dp"] - x["delta"][..., None])).transpose(-1, -2) @ x["q"] * x["scale"]
+
+    def ds_dv(c):
+        x = _pieces(c)
+        return (x["p"] * (x["dp"] - x["delta"][..., None])).transpose(-1, -2) @ x["do"]
+
+    exp_hint = ("tl.exp on base-2 quantities: qk_scale holds log2(e) and the launcher's lse is in base 2 "
+                "(lse * log2(e)), so P^T = tl.math.exp2(qk^T * qk_scale - lse2[None, :])")
+    mask_hint = ("keys after the row were counted: with CAUSAL, zero P^T where offs_n[:, None] > rows[None, :] "
+                 "(tl.where(keep, pT, 0.0)); those keys were not in the forward's softmax")
+    dv = [Bug(exp_hint, exp_dv), Bug(mask_hint, nomask_dv),
+          Bug("dV = P^T dO uses P, not dS: dv += tl.dot(pT.to(do.dtype), do, dv)", ds_dv)]
+    dk = [Bug("dS = P * (dP - D): subtract D = rowsum(dO * O) (the `delta` the launcher gives you) before "
+              "multiplying by P; without it dK is the gradient of an unnormalised softmax", no_delta_dk),
+          Bug(exp_hint, exp_dk), Bug(mask_hint, nomask_dk)]
+    return dv, dk
+
+
+def _cases():
+    g = torch.Generator().manual_seed(808)
+    f32, f16 = _dtypes()
+
+    def mk(B, H, N, Nk, d, dt, s=1.0):
+        return (_randn(g, B, H, N, d, dtype=dt, scale=s), _randn(g, B, H, Nk, d, dtype=dt),
+                _randn(g, B, H, Nk, d, dtype=dt), _randn(g, B, H, N, d, dtype=dt))
+
+    name16 = str(f16).replace("torch.", "")
+    return [
+        Case("whole tiles, N = Nk = 32", *mk(1, 2, 32, 32, 16, f32)),
+        Case("ragged: N = Nk = 37 (not a multiple of the tile)", *mk(1, 1, 37, 37, 32, f32)),
+        Case("N != Nk: N = 21, Nk = 40", *mk(2, 1, 21, 40, 16, f32)),
+        Case("causal, N = Nk = 40", *mk(1, 2, 40, 40, 16, f32), causal=True),
+        Case("causal, N > Nk: N = 45, Nk = 20", *mk(1, 1, 45, 20, 16, f32), causal=True),
+        Case("causal, N < Nk: N = 20, Nk = 45 (keys past the last row get dK = dV = 0)",
+             *mk(1, 1, 20, 45, 16, f32), causal=True),
+        Case("large logits (q x 8), causal", *mk(1, 1, 33, 33, 16, f32, 8.0), causal=True,
+             note="scores in the tens: exp without the saved lse overflows"),
+        Case(f"{name16}, causal, N = Nk = 37", *mk(1, 2, 37, 37, 32, f16), causal=True),
+    ]
+
+
+def _poisoned(gen, dtype, N=21, Nk=19, d=16, pad=16):
+    """q, do views whose storage goes on past row N with NaN: a row load without a mask reads the NaN."""
+    qb = _randn(gen, 1, 1, N + pad, d, dtype=dtype)
+    dob = _randn(gen, 1, 1, N + pad, d, dtype=dtype)
+    qb[:, :, N:] = float("nan")
+    dob[:, :, N:] = float("nan")
+    k, v = _randn(gen, 1, 1, Nk, d, dtype=dtype), _randn(gen, 1, 1, Nk, d, dtype=dtype)
+    return qb[:, :, :N], k, v, dob[:, :, :N]
+
+
+def _bound(case, dk_ref, dv_ref):
+    """Per output: 2 x SDPA's own error in this dtype + 2 x the rounding of the answer + a float32 floor."""
+    q, k, v, do = case.args[:4]
+    causal = case.kwargs.get("causal", False)
+    a = [t.detach().clone().contiguous().requires_grad_() for t in (q, k, v)]
+    try:
+        mask = None
+        if causal:
+            N, Nk = q.shape[-2], k.shape[-2]
+            mask = (torch.arange(Nk)[None, :] <= torch.arange(N)[:, None]).to(q.device)
+        o = torch.nn.functional.scaled_dot_product_attention(*a, attn_mask=mask)
+        o.backward(do.contiguous())
+        errs = [(a[1].grad.double().cpu().nan_to_num() - dk_ref).abs().max().item(),
+                (a[2].grad.double().cpu().nan_to_num() - dv_ref).abs().max().item()]
+    except RuntimeError:  # SDPA without a backward in this dtype on this device
+        errs = [0.0, 0.0]
+    out = []
+    for err, ref in zip(errs, (dk_ref, dv_ref)):
+        rounding = (ref.to(q.dtype).double() - ref).abs().max().item()
+        floor = 4e-6 * (ref.abs().max().item() + 1) * math.sqrt(q.shape[-2])
+        out.append((2 * err + 2 * rounding + floor, err))
+    return out
+
+
+def _compare(g, out, case, bugs_dv, bugs_dk):
+    q, k = case.args[0], case.args[1]
+    dk, dv = g.expect_tuple(out, 2, "(dk, dv)")
+    g.expect_tensor(dk, "dk", shape=tuple(k.shape), dtype=k.dtype)
+    g.expect_tensor(dv, "dv", shape=tuple(k.shape), dtype=k.dtype)
+    _, _, dk_ref, dv_ref = lesson08_gpu.reference_grads(*case.args[:4], causal=case.kwargs.get("causal", False))
+    (tol_k, sd_k), (tol_v, sd_v) = _bound(case, dk_ref, dv_ref)
+    nan_hint = ("NaN: a load read past row N (mask the query-row loads: mask=rows[:, None] < N, other=0.0, and "
+                "give lse2 other=float('inf') so padded rows get P = 0), or exp2(inf - inf)")
+    g.compare(dv, dv_ref, "dv", rtol=0.0, atol=tol_v, bugs=bugs_dv, nan_hint=nan_hint,
+              hint=f"over the bound ({tol_v:.2g} = 2 x SDPA's own error {sd_v:.2g} + rounding): dV = P^T dO, with "
+                   "P^T = exp2(k q^T * qk_scale - lse2) recomputed per query block and masked")
+    g.compare(dk, dk_ref, "dk", rtol=0.0, atol=tol_k, bugs=bugs_dk, nan_hint=nan_hint,
+              hint=f"over the bound ({tol_k:.2g} = 2 x SDPA's own error {sd_k:.2g} + rounding): dS^T = P^T * "
+                   "(v dO^T - delta[None, :]), dk += dS^T q (the launcher multiplies by sm_scale)")
+
+
+@exercise("dkdv_inner", arg_names=["q", "k", "v", "do"],
+          reference="float64 autograd (error <= 2 x SDPA's own + rounding)")
+def dkdv_inner(g):
+    run = _launcher(g.fn)
+    bugs_dv, bugs_dk = _bugs()
+    for i, case in enumerate(_cases()):
+        out = g.call(case, fn=run)
+        _compare(g, out, case, bugs_dv, bugs_dk)
+        g.count()
+        if i == 1:  # the ragged row tail, with NaN where a mask must stop the reads
+            gen = torch.Generator().manual_seed(809)
+            for causal in (False, True):
+                q, k, v, do = _poisoned(gen, _dtypes()[0])
+                pcase = Case(f"ragged rows with NaN past N in memory{', causal' if causal else ''}", q, k, v, do,
+                             causal=causal, note="q and dO are views of longer buffers full of NaN after row N - 1")
+                out = g.call(pcase, fn=lambda *a, _x=(q, k, v, do), **kw: run(*_x, **kw))
+                _compare(g, out, pcase, bugs_dv, bugs_dk)
+                g.count()
+    return None

@@ -1,0 +1,151 @@
+"""Plain functions behind lesson 08's GPU section: the float64 gradient reference, the recorded H200
+backward benchmark and the GPT training record.
+
+Nothing here imports Triton at module level (``helpers.check.lesson08_gpu`` imports this file whenever
+a notebook runs ``from helpers import check``). The recorded results are ``bench/results/h200.json``
+(rows under ``"backward"``, written by ``bench/bench_bwd.py``) and ``bench/results/train_gpt.json``
+(written by ``bench/train_gpt.py``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+__all__ = ["LOG2E", "reference_grads", "load_results", "load_training", "results_label", "backward_rows",
+           "backward_table", "geomean_ratio", "plot_backward", "plot_training", "training_summary",
+           "RESULTS", "TRAINING"]
+
+LOG2E = 1.4426950408889634
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "h200.json"
+TRAINING = ROOT / "bench" / "results" / "train_gpt.json"
+
+
+def reference_grads(q, k, v, do, causal=False, sm_scale=None):
+    """(O, dq, dk, dv) in float64 by autograd, q ``[B, H, N, d]``, k, v ``[B, H, Nk, d]``; causal top-left.
+
+    A row that sees no key has O = 0 and zero gradients (the course's convention), never NaN.
+    """
+    q, k, v = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    s = (q @ k.transpose(-1, -2)) * scale                                   # [B, H, N, Nk]
+    N, Nk = s.shape[-2:]
+    keep = torch.ones(N, Nk, dtype=torch.bool)
+    if causal:
+        keep = torch.arange(Nk)[None, :] <= torch.arange(N)[:, None]        # [N, Nk]
+    empty = ~keep.any(-1)                                                   # [N]
+    s = s.masked_fill(~keep, -math.inf).masked_fill(empty[:, None], 0.0)
+    o = (torch.softmax(s, -1) * (~empty)[:, None]) @ v                      # [B, H, N, d]
+    o.backward(do.detach().double().cpu())
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+# ------------------------------------------------------------------ recorded results
+def load_results(path=RESULTS):
+    """The committed benchmark (a dict) or None when the file is not there."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def load_training(path=TRAINING):
+    path = Path(path)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def results_label(res) -> str:
+    meta = res.get("backward_meta", res)
+    return (f"{meta.get('gpu', meta.get('device_name', '?'))} · torch {meta.get('torch', '?')} · "
+            f"triton {meta.get('triton', '?')} · {meta.get('date', '?')}")
+
+
+def backward_rows(res, dtype=None, d=None, causal=None):
+    rows = [r for r in (res or {}).get("backward", [])
+            if (dtype is None or r["dtype"] == dtype) and (d is None or r["d"] == d)
+            and (causal is None or bool(r["causal"]) == bool(causal))]
+    return sorted(rows, key=lambda r: (r["dtype"], r["d"], bool(r["causal"]), r["N"]))
+
+
+def _f(x, nd=0):
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def backward_table(res) -> str:
+    """A plain-text table of the backward rows: TFLOP/s (FLOPs = 2.5 x 4BHN²d, halved when causal)."""
+    lines = ["backward alone, TFLOP/s (FLOPs = 2.5·4·B·H·N²·d, halved when causal); " + results_label(res),
+             f"{'dtype':>8} {'d':>4} {'causal':>6} {'N':>6} {'triton':>7} {'flash':>6} {'cudnn':>6} {'flex':>6} "
+             f"{'t/flash':>7} {'t/cudnn':>7} {'err/sdpa':>8} {'ok':>3}"]
+    for r in backward_rows(res):
+        t, f, c = r.get("triton_tflops"), r.get("sdpa_flash_tflops"), r.get("sdpa_cudnn_tflops")
+        lines.append(f"{r['dtype']:>8} {r['d']:>4} {str(bool(r['causal'])):>6} {r['N']:>6} {_f(t):>7} {_f(f):>6} "
+                     f"{_f(c):>6} {_f(r.get('flex_tflops')):>6} {_f(t / f if t and f else None, 2):>7} "
+                     f"{_f(t / c if t and c else None, 2):>7} {_f(r.get('err_ratio'), 2):>8} "
+                     f"{'✓' if r.get('pass') else '✗':>3}")
+    return "\n".join(lines)
+
+
+def geomean_ratio(res, other: str, min_N: int = 2048, **filters):
+    """Geometric mean over backward rows with N >= min_N of triton_tflops / ``other`` (None if none)."""
+    logs = [math.log(r["triton_tflops"] / r[other]) for r in backward_rows(res, **filters)
+            if r["N"] >= min_N and r.get("triton_tflops") and r.get(other)]
+    return math.exp(sum(logs) / len(logs)) if logs else None
+
+
+def plot_backward(res):
+    """TFLOP/s of the backward against N, one panel per (dtype, d, causal)."""
+    import matplotlib.pyplot as plt
+    keys = sorted({(r["dtype"], r["d"], bool(r["causal"])) for r in backward_rows(res)})
+    if not keys:
+        raise ValueError("no backward rows in these results (run bench/bench_bwd.py on a GPU)")
+    cols = min(4, len(keys))
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.0 * nrows), squeeze=False)
+    impls = [("triton_tflops", "Triton (course)", "-o"), ("sdpa_flash_tflops", "SDPA flash", "--s"),
+             ("sdpa_cudnn_tflops", "SDPA cuDNN", "--^"), ("flex_tflops", "FlexAttention", ":v")]
+    for ax, (dt, d, causal) in zip(axes.flat, keys):
+        rows = backward_rows(res, dt, d, causal)
+        for key, label, style in impls:
+            pts = [(r["N"], r[key]) for r in rows if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label, ms=3)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{dt}, d={d}, {'causal' if causal else 'full'}", fontsize=9)
+        ax.set_xlabel("N")
+        ax.set_ylabel("TFLOP/s")
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("backward: " + results_label(res), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_training(rec):
+    """Both loss curves of the GPT training record on one figure, tokens/s in the legend."""
+    import matplotlib.pyplot as plt
+    if not rec or "runs" not in rec:
+        raise ValueError("no training record (run bench/train_gpt.py on a GPU)")
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for name, style, label in (("flash", "-", "course flash_attention"), ("sdpa", "--", "SDPA")):
+        r = rec["runs"][name]
+        ax.plot(range(1, len(r["loss"]) + 1), r["loss"], style, lw=1,
+                label=f"{label} ({r['tokens_per_s'] / 1e3:.0f}k tokens/s)")
+        if r.get("val"):
+            ax.plot(*zip(*r["val"]), "o" if name == "flash" else "x", ms=4, label=f"{label}, validation")
+    c = rec["config"]
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per byte)")
+    ax.set_title(f"GPT {c['n_layer']} layers, {c['n_head']} heads, d_model {c['d_model']}, context {c['T']} · "
+                 f"{rec['device_name']} · torch {rec['torch']} · triton {rec['triton']} · {rec['date']}", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def training_summary(rec) -> str:
+    f, s = rec["runs"]["flash"], rec["runs"]["sdpa"]
+    return (f"final loss {f['loss'][-1]:.4f} (flash_attention) vs {s['loss'][-1]:.4f} (SDPA); largest per-step "
+            f"difference {rec['max_loss_diff']:.4f}; {f['tokens_per_s']:.0f} vs {s['tokens_per_s']:.0f} tokens/s "
+            f"({rec['speedup_tokens_per_s']:.2f}x)")

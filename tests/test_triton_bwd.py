@@ -1,0 +1,171 @@
+"""Correctness of helpers/triton_attention_bwd.py (the backward kernels and ``flash_attention``).
+
+Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before Triton is
+imported) on small shapes in fp32 and fp16; on a CUDA machine the same checks run natively in fp16 and
+bf16. The reference is float64 autograd through an explicit masked softmax (a row that sees no key has
+O = 0 and zero gradients). Inputs are harsh: scores of a few units to tens, N and Nk not multiples of any
+block, N != Nk with both causal alignments, rows that see nothing.
+"""
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers.triton_attention import flash_attn_triton  # noqa: E402
+from helpers.triton_attention_bwd import flash_attention, flash_attn_bwd_triton  # noqa: E402
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+
+
+def _inputs(B, H, N, Nk, d, dtype, seed, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, H, N, d, generator=g) * scale).to(DEVICE, dtype)
+    k = (torch.randn(B, H, Nk, d, generator=g) * scale).to(DEVICE, dtype)
+    v = torch.randn(B, H, Nk, d, generator=g).to(DEVICE, dtype)
+    do = torch.randn(B, H, N, d, generator=g).to(DEVICE, dtype)
+    return q, k, v, do
+
+
+def reference_grads(q, k, v, do, causal, diag, sm_scale):
+    """(O, dq, dk, dv) in float64 by autograd; rows with no visible key give O = 0 and no gradient."""
+    q, k, v = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    s = (q @ k.transpose(-1, -2)) * sm_scale  # [B, H, N, Nk]
+    N, Nk = s.shape[-2:]
+    keep = torch.ones(N, Nk, dtype=torch.bool)
+    if causal:
+        keep = torch.arange(Nk)[None, :] <= torch.arange(N)[:, None] + diag  # [N, Nk]
+    empty = ~keep.any(-1)  # [N]
+    s = s.masked_fill(~keep, float("-inf")).masked_fill(empty[:, None], 0.0)
+    p = torch.softmax(s, -1) * (~empty)[:, None]  # [B, H, N, Nk]
+    o = p @ v
+    o.backward(do.double().cpu())
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def _tol(dtype):
+    return {torch.float32: 3e-3, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
+
+
+def _report(name, got, want, tol):
+    got = got.double().cpu()
+    err = (got - want).abs()
+    scale = want.abs().max().item() + 1e-6
+    if torch.isnan(got).any():
+        idx = torch.isnan(got).nonzero()[:5].tolist()
+        pytest.fail(f"{name}: NaN at {idx}")
+    if err.max() > tol * scale:
+        idx = (err > tol * scale).nonzero()[:5].tolist()
+        pairs = [(i, round(float(want[tuple(i)]), 5), round(float(got[tuple(i)]), 5)) for i in idx]
+        pytest.fail(f"{name}: max err {err.max():.3g} > {tol} x {scale:.3g}; first (index, ref, got): {pairs}")
+
+
+CASES = [
+    # B, H, N, Nk, d, causal, align
+    (1, 2, 37, 37, 16, False, "top_left"),  # ragged, not causal
+    (2, 1, 50, 50, 32, True, "top_left"),  # causal, ragged diagonal
+    (1, 1, 33, 70, 16, True, "bottom_right"),  # N < Nk: new queries after a cache
+    (1, 1, 45, 20, 16, True, "bottom_right"),  # N > Nk: the first 25 rows see nothing
+    (1, 1, 40, 29, 32, True, "top_left"),  # N > Nk top-left: key tail, rows past Nk see all
+    (1, 1, 24, 61, 64, False, "top_left"),  # N < Nk, d = 64
+    (1, 1, 20, 45, 16, True, "top_left"),  # N < Nk top-left: keys past row i + 0 never seen
+]
+
+
+@pytest.mark.parametrize("B,H,N,Nk,d,causal,align,dq_mode",
+                         [c + ("separate",) for c in CASES] + [c + ("atomic",) for c in CASES[1:4]])
+def test_backward_matches_float64_autograd(B, H, N, Nk, d, causal, align, dq_mode):
+    dtype = DTYPES[0]
+    q, k, v, do = _inputs(B, H, N, Nk, d, dtype, seed=N * 7 + Nk)
+    sm_scale = 1.0 / math.sqrt(d)
+    o, lse = flash_attn_triton(q, k, v, causal=causal, align=align)
+    dq, dk, dv = flash_attn_bwd_triton(do, q, k, v, o, lse, causal=causal, align=align, dq_mode=dq_mode)
+    for name, t, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), (q, k, v)):
+        assert t.shape == ref.shape and t.dtype == ref.dtype, name
+    diag = (Nk - N) if (causal and align == "bottom_right") else 0
+    _, dq_ref, dk_ref, dv_ref = reference_grads(q, k, v, do, causal, diag, sm_scale)
+    _report("dv", dv, dv_ref, _tol(dtype))
+    _report("dk", dk, dk_ref, _tol(dtype))
+    _report("dq", dq, dq_ref, _tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+def test_autograd_function_low_precision(dtype):
+    """flash_attention through torch.autograd in the second dtype, causal, with a custom sm_scale."""
+    q, k, v, do = _inputs(1, 2, 29, 29, 16, dtype, seed=5)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o = flash_attention(q, k, v, causal=True, sm_scale=0.3)
+    o.backward(do)
+    o_ref, dq_ref, dk_ref, dv_ref = reference_grads(q, k, v, do, True, 0, 0.3)
+    _report("O", o.detach(), o_ref, _tol(dtype))
+    for name, t, ref in (("dq", q.grad, dq_ref), ("dk", k.grad, dk_ref), ("dv", v.grad, dv_ref)):
+        _report(name, t, ref, _tol(dtype))
+
+
+def test_autograd_matches_sdpa_autograd():
+    """The same gradients as SDPA's own backward (fp32 under the interpreter, fp16 on a GPU)."""
+    q, k, v, do = _inputs(2, 2, 21, 21, 32, DTYPES[0], seed=9, scale=1.0)
+    a = [t.clone().requires_grad_() for t in (q, k, v)]
+    b = [t.clone().float().requires_grad_() for t in (q, k, v)]
+    flash_attention(*a, causal=True).backward(do)
+    torch.nn.functional.scaled_dot_product_attention(*b, is_causal=True).backward(do.float())
+    for x, y in zip(a, b):
+        assert (x.grad.float() - y.grad).abs().max() < 5 * _tol(DTYPES[0])
+
+
+def test_gradcheck_float64_logic():
+    """torch.autograd.gradcheck on a tiny fp32 case, loose tolerances: the Function's wiring (argument order,
+    which grad goes where, the None for the non-tensor arguments) is right."""
+    if ON_GPU:
+        pytest.skip("fp32 gradcheck runs under the interpreter")
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, 5, 16, generator=g).requires_grad_() for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # fp32 inputs: the tolerances below account for it
+        assert torch.autograd.gradcheck(lambda a, b, c: flash_attention(a, b, c, causal=True), (q, k, v),
+                                        eps=1e-2, atol=5e-3, rtol=5e-2, nondet_tol=1e-5, fast_mode=True)
+
+
+def test_validation_messages():
+    q, k, v, do = _inputs(1, 2, 8, 8, 16, DTYPES[0], seed=0)
+    with pytest.raises(ValueError, match="4 dimensions"):
+        flash_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="align"):
+        flash_attention(q, k, v, causal=True, align="middle")
+    with pytest.raises(TypeError, match="causal"):
+        flash_attention(q, k, v, causal="yes")
+    o, lse = flash_attn_triton(q, k, v)
+    with pytest.raises(ValueError, match="lse"):
+        flash_attn_bwd_triton(do, q, k, v, o, lse.double())
+    with pytest.raises(ValueError, match="do must be"):
+        flash_attn_bwd_triton(do[:, :, :3], q, k, v, o, lse)
+    with pytest.raises(ValueError, match="dq_mode"):
+        flash_attn_bwd_triton(do, q, k, v, o, lse, dq_mode="fast")
+
+
+def test_train_gpt_tiny(tmp_path):
+    """bench/train_gpt.py --cpu --tiny: the same GPT trained with flash_attention and with SDPA gives the same
+    losses in fp32 (same seed, same batches), and the record and its figure are written."""
+    if ON_GPU:
+        pytest.skip("the tiny run is the CPU/interpreter configuration")
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root, MPLBACKEND="Agg")
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "train_gpt.py"), "--cpu", "--tiny",
+                        "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads((tmp_path / "train_gpt.json").read_text())
+    a, b = rec["runs"]["flash"]["loss"], rec["runs"]["sdpa"]["loss"]
+    assert len(a) == len(b) == rec["config"]["steps"] and all(math.isfinite(x) for x in a)
+    assert rec["max_loss_diff"] < 1e-4, (a, b)
+    assert a[-1] < a[0] + 0.5 and rec["runs"]["flash"]["tokens_per_s"] > 0
+    assert (tmp_path / "train_gpt.png").stat().st_size > 1000
