@@ -224,8 +224,8 @@ def ship(fn) -> dict:
             val = g[name]
             if isinstance(val, types.ModuleType):
                 preamble[name] = f"import {val.__name__} as {name}" if val.__name__ != name else f"import {name}"
-            elif isinstance(val, types.FunctionType) and not _importable(val):
-                visit(val)
+            elif isinstance(val, types.FunctionType) and (val.__module__ == fn.__module__ or not _importable(val)):
+                visit(val)     # a sibling: shipped by source (importing its module could cost seconds)
             elif callable(val) and _importable(val):
                 preamble[name] = f"from {val.__module__} import {val.__qualname__.split('.')[0]} as {name}" \
                     if "." not in val.__qualname__ else f"import {val.__module__} as _m_{name}; " \
@@ -502,6 +502,7 @@ def _worker(rank, world_size, port, payload, jobs_blob, conn, pg_timeout_s):
 
 # ---------------------------------------------------------------------------- parent side
 _CTX = {}
+LAST_PIDS: list = []   # the worker pids of the last launch (tests check none survives)
 
 
 def _context(start_method=None):
@@ -570,6 +571,7 @@ def launch(fn, jobs, world_size, *, timeout=20.0, startup_timeout=90.0, start_me
                           timeout=datetime.timedelta(seconds=startup_timeout))
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = []
+    LAST_PIDS.clear()
     results = [[None] * world_size for _ in jobs]
     blobs = [_dumps([(args[r], kwargs) for args, kwargs in jobs]) for r in range(world_size)]
     pg_timeout = timeout * max(1, len(jobs)) + startup_timeout
@@ -580,6 +582,7 @@ def launch(fn, jobs, world_size, *, timeout=20.0, startup_timeout=90.0, start_me
             p.start()
             pipes[r][1].close()
             procs.append(p)
+            LAST_PIDS.append(p.pid)
         conns = {pipes[r][0]: r for r in range(world_size)}
         sentinels = {p.sentinel: r for r, p in enumerate(procs)}
         state = {r: "starting" for r in range(world_size)}
