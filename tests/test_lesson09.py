@@ -26,6 +26,14 @@ def sol():
     return notebook_namespace(NB)
 
 
+def test_worked_ring_passes_the_launcher(sol):
+    """The notebook's own ring_attention, shipped from the notebook namespace, equals SDPA."""
+    q = torch.randn(1, 2, 16, 4)
+    O, lse = L.run_ring(sol["ring_attention"], q, q, q, 2, causal=True, layout="zigzag")
+    o_ref, _ = reference.attention(q, q, q, mask=reference.causal_mask(16, 16))
+    assert (O.double() - o_ref).abs().max() < 1e-5
+
+
 def _no_survivors():
     time.sleep(0.05)
     alive = []
@@ -291,7 +299,7 @@ def test_schedule_and_layout():
     assert torch.equal(L.unshard(parts, "zigzag"), x)
 
 
-def test_function_from_a_notebook_cell_under_spawn(tmp_path):
+def test_function_from_a_notebook_cell_under_spawn(tmp_path, monkeypatch):
     """The path a learner takes: a function defined in a cell, shipped by source, spawn start method."""
     import nbclient
     nb = nbformat.v4.new_notebook()
@@ -307,8 +315,7 @@ def test_function_from_a_notebook_cell_under_spawn(tmp_path):
                                   " * 2 + i // 2 for i in (0, 2)], 2)\n"
                                   "assert torch.allclose(O, ref, atol=1e-6), (O, ref)\nprint('shipped ok')"),
     ]
-    env_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    os.environ["PYTHONPATH"] = env_path
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
     assert "shipped ok" in nb.cells[2].outputs[0]["text"]
