@@ -7,6 +7,7 @@ code cells, executed in one namespace (plots, widgets and check calls are skippe
 from __future__ import annotations
 
 import ast
+import linecache
 import os
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def notebook_namespace(name: str, learner: bool = False) -> dict:
     """Definitions of ``solutions/<name>.ipynb`` (or its generated learner version)."""
     nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
     ns: dict = {"__name__": f"notebook_{name}"}
-    for cell in nb.cells:
+    for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or "solution-only" in cell.metadata.get("tags", []) and learner:
             continue
         src = stub_source(cell.source) if learner else cell.source
@@ -40,7 +41,9 @@ def notebook_namespace(name: str, learner: bool = False) -> dict:
         except SyntaxError:
             continue
         keep = [n for n in tree.body if isinstance(n, _KEEP) or _is_constant_assign(n)]
-        exec(compile(ast.Module(body=keep, type_ignores=[]), f"<{name}>", "exec"), ns)  # noqa: S102
+        filename = f"<{name} cell {i}>"      # in linecache, as IPython does: inspect.getsource works
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        exec(compile(ast.Module(body=keep, type_ignores=[]), filename, "exec"), ns)  # noqa: S102
     return ns
 
 
