@@ -84,11 +84,13 @@ def attn_bwd_preprocess_ref(o, do):
     return (do * o).sum(dim=1)                                    # [N]
 
 
-def flash_attn_bwd_ref(q, k, v, o, lse, do, Br=4, Bc=3, causal=False, align="top_left"):
+def flash_attn_bwd_ref(q, k, v, o, lse, do, Br=4, Bc=3, causal=False, align="top_left", kv_order=None):
     """FlashAttention-2's backward for one head: returns (dq, dk, dv).
 
     KV blocks outside: K_j, V_j loaded once, dK_j, dV_j accumulated locally and written once.
     Q blocks inside: P recomputed from lse, dQ_i accumulated in HBM (atomic adds on a GPU).
+    ``kv_order`` (KV block numbers) visits the KV blocks in that order, as a GPU's thread
+    blocks may finish in any order: dQ's sums then come in another order.
     """
     N, d = q.shape
     Nk = k.shape[0]
@@ -97,7 +99,7 @@ def flash_attn_bwd_ref(q, k, v, o, lse, do, Br=4, Bc=3, causal=False, align="top
     dq = torch.zeros_like(q)                                      # [N, d]  in HBM, += per tile
     dk = torch.empty_like(k)                                      # [Nk, d] written once per block
     dv = torch.empty_like(v)                                      # [Nk, d]
-    for j in range(0, Nk, Bc):
+    for j in (range(0, Nk, Bc) if kv_order is None else [b * Bc for b in kv_order]):
         Kj, Vj = k[j:j + Bc], v[j:j + Bc]                         # [Bc, d], loaded once
         dKj = torch.zeros_like(Kj)                                # [Bc, d] in SRAM
         dVj = torch.zeros_like(Vj)                                # [Bc, d] in SRAM
@@ -183,20 +185,34 @@ class FlashAttentionRef(torch.autograd.Function):
 
 
 def runs(fn_class, example=None) -> bool:
-    """True when ``fn_class.apply`` runs forward and backward on a small example (with
-    ``helpers.checking.attempted``: it says when the cell falls back to the reference)."""
+    """True when ``fn_class.apply`` runs forward and backward on a small causal example and its
+    gradients agree with ``FlashAttentionRef``'s; else False, saying why (a cell then uses the
+    reference). Built on ``helpers.checking.attempted``."""
     from .checking import attempted
 
     def forward_and_backward(q, k, v):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        fn_class.apply(q, k, v, True, 4, 4).sum().backward()
-        for t in (q, k, v):
-            if t.grad is None:
-                raise RuntimeError("no gradient reached q, k or v")
-    forward_and_backward.__name__ = getattr(fn_class, "__name__", "your Function")
+        o = fn_class.apply(q, k, v, True, 4, 4)
+        o.backward(torch.ones_like(o))
+        if any(t.grad is None for t in (q, k, v)):
+            raise RuntimeError("no gradient reached q, k or v")
+        return o.detach(), q.grad, k.grad, v.grad
+    name = getattr(fn_class, "__name__", "your Function")
+    forward_and_backward.__name__ = name
     g = torch.Generator().manual_seed(0)
     example = example or tuple(torch.randn(6, 4, generator=g) for _ in range(3))
-    return attempted(forward_and_backward, *example)
+    if not attempted(forward_and_backward, *example):
+        return False
+    got = forward_and_backward(*example)
+    q, k, v = (t.clone().requires_grad_() for t in example)
+    o = FlashAttentionRef.apply(q, k, v, True, 4, 4)
+    o.backward(torch.ones_like(o))
+    err = max((a - b).abs().max().item() for a, b in zip(got, (o.detach(), q.grad, k.grad, v.grad)))
+    if not err <= 1e-4:
+        print(f"({name} gives an output or gradients off by {err:.3g} from the reference's; "
+              f"this cell uses the reference instead: check.{name} says why)")
+        return False
+    return True
 
 
 def attention_bhtd(fn_class, q, k, v, causal=True, Br=16, Bc=16):
@@ -454,7 +470,7 @@ def plot_losses(ours, sdpa, label="your FlashAttentionFunction"):
     a1.set_title("a 2-layer character model, same seed, same batches")
     diff = [abs(a - b) for a, b in zip(ours, sdpa)]
     a2.semilogy(steps, [max(x, 1e-9) for x in diff], color="black", lw=1)
-    a2.set_ylabel("|difference|")
+    a2.set_ylabel("|difference|\n(0 drawn at 1e-9)", fontsize=8)
     a2.set_xlabel("step")
     fig.tight_layout()
     return fig

@@ -132,9 +132,9 @@ def bwd_cases():
         _bwd_case("causal, Nk > N", *qkvd(7, 19, 8), Br=4, Bc=3, causal=True),
         _bwd_case("causal, N > Nk", *qkvd(13, 6, 8), Br=4, Bc=3, causal=True),
         _bwd_case("causal, large logits (q * 30)", *qkvd(12, 16, 8, qmul=30.0), Br=4, Bc=3, causal=True),
+        _bwd_case("causal bottom-right, Nk > N", *qkvd(7, 19, 8), Br=4, Bc=3, causal=True, align="bottom_right"),
         _bwd_case("causal bottom-right, N > Nk (rows that see no key)", *qkvd(13, 6, 8), Br=4, Bc=3,
                   causal=True, align="bottom_right", note=empty),
-        _bwd_case("causal bottom-right, Nk > N", *qkvd(7, 19, 8), Br=4, Bc=3, causal=True, align="bottom_right"),
         _bwd_case("causal bottom-right, 1 x 1 tiles, N > Nk", *qkvd(7, 5, 4), Br=1, Bc=1, causal=True,
                   align="bottom_right", note=empty),
     ]
@@ -148,14 +148,16 @@ def bwd_model(q, k, v, o, lse, do, Br=4, Bc=3, causal=False, align="top_left", b
     Nk = k.shape[0]
     scale = 1.0 / math.sqrt(d)
     vis = _mask(N, Nk, causal, align)
-    if bug == "other_align":
-        vis = _mask(N, Nk, causal, "bottom_right" if align == "top_left" else "top_left")
     vis = torch.ones(N, Nk, dtype=torch.bool) if vis is None else vis
     O, lse = reference.attention(q, k, v, mask=vis)
     S = q @ k.T * scale                                                  # [N, Nk]
     lse_safe = torch.where(torch.isneginf(lse), math.inf, lse)
     P = torch.where(vis, torch.exp(S - lse_safe[:, None]), 0.0)          # [N, Nk]
-    if bug == "no_mask":                                # every tile with a visible key, unmasked
+    if bug == "other_align":                            # the backward masks with the other alignment
+        other = _mask(N, Nk, True, "bottom_right" if align == "top_left" else "top_left") if causal else vis
+        P = torch.where(other, torch.exp(S - lse[:, None]), 0.0)
+        vis = other
+    elif bug == "no_mask":                                # every tile with a visible key, unmasked
         tiles = torch.zeros(N, Nk, dtype=torch.bool)
         for i in range(0, N, Br):
             for j in range(0, Nk, Bc):
@@ -217,10 +219,10 @@ def _bwd_bugs(which):
         Bug(_P_HINT, model("tile_max")),
         Bug(_P_HINT, model("tile_softmax")),
         Bug("P = exp(S) was not normalised: P = exp(S - lse_i), the lse the forward saved", model("no_lse")),
-        Bug("no causal mask in the backward: P = exp(S - lse) is not 0 above the diagonal by itself; in a "
-            "partial tile set P = 0 where key j > i + offset, as the forward masked S", model("no_mask")),
         Bug("that is the other alignment's mask: top-left sees j <= i, bottom-right j <= i + Nk - N",
             model("other_align")),
+        Bug("no causal mask in the backward: P = exp(S - lse) is not 0 above the diagonal by itself; in a "
+            "partial tile set P = 0 where key j > i + offset, as the forward masked S", model("no_mask")),
     ]
     if which == 2:
         bugs += [
@@ -288,8 +290,8 @@ def _bwd_idea(g):
                hint="KV blocks outside: load Kj = k[j:j+Bc] and Vj = v[j:j+Bc] once per outer step, before the "
                     "loop over Q blocks, and keep them (slicing k again inside the Q loop is a new load)")
     if wrote_k > 1 or wrote_v > 1:
-        g.fail(f"dK was written {wrote_k:g} times and dV {wrote_v:g} times to HBM ({n_q} Q blocks); "
-               "each is written once",
+        g.fail(f"dK went to HBM {wrote_k:g} times its size and dV {wrote_v:g} times ({n_q} Q blocks; each "
+               "`+=` into a slice counts twice, the add and the store); each is written once",
                hint="dK/dV accumulated in HBM per tile: keep dKj, dVj as local [Bc, d] tensors (SRAM) for the "
                     "whole Q loop, += into them, and write dk[j:j+Bc] = dKj once after it")
     stats = sorted(op for op in r.ops if op in ("amax", "max", "logsumexp", "_softmax", "softmax"))
@@ -303,7 +305,7 @@ def _bwd_idea(g):
                hint="D = rowsum(dO * O) is computed once, before the loops (attn_bwd_preprocess), and P needs no "
                     "sum; a sum per tile recomputes D or normalises P, work the backward does not need")
     need = 10 * N * Nk * d
-    if r.flops > need:
+    if r.flops > need + 2 * N * d:         # (D written as a batched dot product counts 2 N d)
         g.fail(f"your function did {r.flops:,} matmul FLOPs; five [Br, Bc] matmuls per tile (S, dV, dP, dQ, "
                f"dK) make {need:,} = 2.5x the forward's {4 * N * Nk * d:,}",
                hint="a product computed twice: S = Qi @ Kj.T and dP = dOi @ Vj.T once per tile, then "
@@ -317,7 +319,7 @@ def _bwd_idea(g):
                      Br=Br, Bc=Bc, causal=True)
     r = _meter(g, g.fn, case, BWD_NAMES)
     need = visible_tile_flops(reference.causal_mask(N, Nk, "top_left"), Br, Bc, d) * 10 // 4
-    if r.flops > need:
+    if r.flops > need + 2 * N * d:
         g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "
                f"(every tile: {10 * N * Nk * d:,})",
                hint="the invisible causal tiles were computed: skip them in the backward too (lesson 04's "
@@ -372,8 +374,8 @@ def _saved(grad_fn):
     return saved, extra
 
 
-def _run_function(F):
-    """A function of (q, k, v, dO, causal, Br, Bc) that applies F, inspects what it saved, and backprops."""
+def _run_function(F, g):
+    """A function of (q, k, v, dO, causal, Br, Bc) that applies F, reads what it saved, and backprops."""
     def run(q, k, v, do, causal=False, Br=16, Bc=16):
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         o = F.apply(q, k, v, causal, Br, Bc)
@@ -381,7 +383,14 @@ def _run_function(F):
             return ("not a tensor with a grad_fn", o)
         saved, extra = _saved(o.grad_fn)
         saved = [t.detach().clone() for t in saved]
-        o.backward(do)
+        try:
+            o.backward(do)
+        except RuntimeError as e:
+            if "incorrect number of gradients" not in str(e):
+                raise
+            g.fail(f"autograd says: {e}",
+                   hint="backward returns one gradient per forward input, in order: dq, dk, dv, and None for "
+                        "causal, Br, Bc (six values)")
         return o.detach(), q.grad, k.grad, v.grad, saved, extra
     run.__name__ = getattr(F, "__name__", "FlashAttentionFunction")
     return run
@@ -425,7 +434,7 @@ def FlashAttentionFunction(g):
     if not hasattr(F, "apply"):
         g.fail(f"pass the class itself, a torch.autograd.Function; got {type(F).__name__}",
                hint="check.FlashAttentionFunction(FlashAttentionFunction)")
-    run = _run_function(F)
+    run = _run_function(F, g)
     for case in _fn_cases():
         q, k, v, do = case.args
         N, Nk, d = q.shape[0], k.shape[0], q.shape[1]
@@ -466,6 +475,17 @@ def FlashAttentionFunction(g):
                         "torch.empty(..., dtype=q.dtype)), never a float32 default")
         if not ok:
             g.fail("torch.autograd.gradcheck returned False", hint="compare backward with finite differences")
+        # gradcheck's tolerances let float32 arithmetic through; float64 in, float64 accuracy out
+        do = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+        got = run(*(t.clone() for t in (q, k, v, do)), causal, 2, 3)
+        ref = reference_grads(q, k, v, do, causal)
+        err = max(((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+                  for a, b in zip(got[1:4], ref[2:]))
+        if not err < 1e-9:
+            g.fail(f"in float64 your gradients are off by a relative {err:.1e} (float64 arithmetic gives about 1e-15)",
+                   hint="something computes in float32: allocate every tensor with dtype=q.dtype "
+                        "(torch.zeros_like(q), torch.empty(..., dtype=q.dtype)), never a float32 default, and "
+                        "don't cast with .float()")
         g.count()
     # the idea: nothing N x Nk during forward and backward
     N, Nk, d, Br, Bc = 32, 40, 4, 8, 8
