@@ -453,6 +453,21 @@ def test_runs_falls_back_when_missing_or_wrong(capsys):
     assert not L.runs(make_function(None, make_bwd("no_D")))
 
 
+def test_usable_falls_back_when_missing_or_wrong(capsys):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(6, 4, generator=g) for _ in range(4))
+    o, lse = L.flash_attn_fwd(q, k, v, 4, 3)
+    args = (q, k, v, o, lse, do, 4, 3)
+    assert L.usable(bwd_exp2_lists, L.flash_attn_bwd_ref, *args) is bwd_exp2_lists
+    assert L.usable(make_bwd("no_D"), L.flash_attn_bwd_ref, *args) is L.flash_attn_bwd_ref
+    assert "differs from the reference" in capsys.readouterr().out
+
+    def stub(*a):
+        raise NotImplementedError("flash_attn_bwd: replace this line with your code")
+    assert L.usable(stub, L.flash_attn_bwd_ref, *args) is L.flash_attn_bwd_ref
+    assert L.usable(lambda *a: a[0], L.flash_attn_bwd_ref, *args) is L.flash_attn_bwd_ref
+
+
 def test_learner_notebook_is_generated_from_the_worked_one():
     from helpers.generate import ROOT, drift
     assert not [p for p in drift(ROOT / "solutions", ROOT / "notebooks") if p.startswith(NB)]
