@@ -62,6 +62,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = ["measure", "Measurement", "Largest"]
 
+_NP_ARRAY = np.array   # numpy's own, while the meter puts a following version in its place
+
 _aten = torch.ops.aten
 # Ops that only make metadata or fresh constant memory: not a read of anything.
 _NO_READ = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like",
@@ -695,17 +697,21 @@ def _numpy_constructors(rec):
     """np.array / np.asarray / np.asanyarray of a tensor or a followed list give followed arrays."""
     saved = {n: getattr(np, n) for n in ("array", "asarray", "asanyarray")}
 
-    def make(orig):
-        def conv(obj, *args, **kwargs):
-            if isinstance(obj, torch.Tensor):
-                rec.escapes["np.array"] += 1
-                arr = _tensor_to_array(rec, obj, obj.detach().numpy() if not obj.requires_grad else
-                                       obj.detach().numpy())
+    def make(fname, orig):
+        def from_tracked(arr, args, kwargs):
+            if fname == "array":
                 kwargs["subok"] = True
                 res = orig(arr, *args, **kwargs)
                 return _copy_array(arr, res) if res is not arr else res
+            dtype = args[0] if args else kwargs.get("dtype")
+            return arr if dtype is None or np.dtype(dtype) == arr.dtype else arr.astype(dtype)
+
+        def conv(obj, *args, **kwargs):
+            if isinstance(obj, torch.Tensor):
+                rec.escapes["np." + fname] += 1
+                return from_tracked(_tensor_to_array(rec, obj, obj.detach().numpy()), args, kwargs)
             if isinstance(obj, _TrackedList) and obj and not isinstance(list.__getitem__(obj, 0), list):
-                res = orig(list(list.__iter__(obj)), *args, **kwargs).view(_TrackedArray)
+                res = _NP_ARRAY(list(list.__iter__(obj)), *args, **kwargs).view(_TrackedArray)
                 idx = torch.tensor(obj._origin)
                 if rec.prov.whole((obj._name, idx)):
                     rec.prov.add_copy_array(obj._name, idx, res.view(np.ndarray))
@@ -713,14 +719,12 @@ def _numpy_constructors(rec):
                     rec.note_read(obj._name, idx, "np.array(list)")
                 return res
             if isinstance(obj, _TrackedArray):
-                kwargs.setdefault("subok", True)
-                res = orig(obj, *args, **kwargs)
-                return _copy_array(obj, res) if res is not obj else res
+                return from_tracked(obj, args, kwargs)
             return orig(obj, *args, **kwargs)
         return conv
     try:
         for n, f in saved.items():
-            setattr(np, n, make(f))
+            setattr(np, n, make(n, f))
         yield
     finally:
         for n, f in saved.items():
