@@ -306,7 +306,8 @@ class _TrackedList(list):
         v = list.__getitem__(self, i)
         if isinstance(v, _TrackedList):
             return v
-        self._rec.note_read(self._name, torch.tensor([self._origin[i]]), "tolist[i]")
+        with self._rec.quiet():
+            self._rec.note_read(self._name, torch.tensor([self._origin[i]]), "tolist[i]")
         return v
 
     def __getitem__(self, i):
@@ -356,11 +357,12 @@ class _TrackedArray(np.ndarray):
             out = out.view(_TrackedArray)
             out._tile = self._tile if self._tile is not None else rec.new_tile()
             return out
-        prov = rec.prov.of_array(self.view(np.ndarray))
-        if prov is not None:
-            idx = prov[1].numpy()[key]
-            if idx >= 0:
-                rec.note_read(prov[0], torch.tensor([int(idx)]), "ndarray[i]")
+        with rec.quiet():
+            prov = rec.prov.of_array(self.view(np.ndarray))
+            if prov is not None:
+                idx = prov[1].numpy()[key]
+                if idx >= 0:
+                    rec.note_read(prov[0], torch.tensor([int(idx)]), "ndarray[i]")
         return out
 
     def __iter__(self):
@@ -372,7 +374,8 @@ class _TrackedArray(np.ndarray):
         plain = self.view(np.ndarray)
         if rec is None:
             return plain.tolist()
-        return rec.to_list(plain, plain.tolist(), rec.prov.of_array(plain), tile=self._tile)
+        with rec.quiet():
+            return rec.to_list(plain, plain.tolist(), rec.prov.of_array(plain), tile=self._tile)
 
     def item(self, *args):
         if args:
@@ -399,8 +402,9 @@ class _TrackedArray(np.ndarray):
             if rec is not None:
                 rec.depth -= 1
         if rec is not None:
-            rec.numpy_op(f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}"), inputs, result,
-                         ufunc=ufunc, method=method)
+            with rec.quiet():
+                rec.numpy_op(f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}"), inputs,
+                             result, ufunc=ufunc, method=method)
         return _wrap_result(result, out)
 
     def __array_function__(self, func, types, args, kwargs):
@@ -415,7 +419,8 @@ class _TrackedArray(np.ndarray):
             rec.depth -= 1
         if rec.numpy_events == before:   # implemented in C: no ufunc inside told us anything
             leaves = [a for a in _np_leaves((args, kwargs)) if isinstance(a, np.ndarray)]
-            rec.numpy_op(f"np.{func.__name__}", leaves, result, func=func)
+            with rec.quiet():
+                rec.numpy_op(f"np.{func.__name__}", leaves, result, func=func)
         return _wrap_result(result, None)
 
 
@@ -445,12 +450,13 @@ def _copy_array(src, out):
     if rec is None or out is src:
         return out
     out = out.view(_TrackedArray) if not isinstance(out, _TrackedArray) else out
-    prov = rec.prov.of_array(src.view(np.ndarray))
-    if rec.prov.whole(prov):
-        rec.prov.add_copy_array(prov[0], prov[1], out.view(np.ndarray))
-    elif prov is not None:
-        rec.read_array(src, "np.copy")
-        rec.note_made(out.size, out.shape, "np.copy")
+    with rec.quiet():
+        prov = rec.prov.of_array(src.view(np.ndarray))
+        if rec.prov.whole(prov):
+            rec.prov.add_copy_array(prov[0], prov[1], out.view(np.ndarray))
+        elif prov is not None:
+            rec.read_array(src, "np.copy")
+            rec.note_made(out.size, out.shape, "np.copy")
     return out
 
 
@@ -476,6 +482,15 @@ class _Recorder(TorchDispatchMode):
         self.prov = _Provenance()
         self.depth = 0          # > 0 inside a numpy function: its ufuncs are counted, not the function
         self.numpy_events = 0
+        self.off = 0            # > 0 while the meter's own bookkeeping runs torch ops: not recorded
+
+    @contextlib.contextmanager
+    def quiet(self):
+        self.off += 1
+        try:
+            yield
+        finally:
+            self.off -= 1
 
     def new_tile(self):
         self.tiles += 1
@@ -567,6 +582,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.off:
+            return out
         name = func.overloadpacket.__name__
         self.ops[name] += 1
         if func.is_view or name in _VIEW_LIKE:
@@ -670,10 +687,11 @@ class _Escapes(TorchFunctionMode):
             return func(*args, **kwargs)
         rec, t = self.rec, args[0]
         rec.escapes[name] += 1
-        if name == "tolist":
-            return rec.to_list(None, func(*args, **kwargs), rec.prov.of_tensor(t), tensor=t)
-        arr = func(*args, **kwargs)
-        return _tensor_to_array(rec, t, arr)
+        values = func(*args, **kwargs)
+        with rec.quiet():
+            if name == "tolist":
+                return rec.to_list(None, values, rec.prov.of_tensor(t), tensor=t)
+            return _tensor_to_array(rec, t, values)
 
 
 def _tensor_to_array(rec, t, arr):
@@ -709,14 +727,17 @@ def _numpy_constructors(rec):
         def conv(obj, *args, **kwargs):
             if isinstance(obj, torch.Tensor):
                 rec.escapes["np." + fname] += 1
-                return from_tracked(_tensor_to_array(rec, obj, obj.detach().numpy()), args, kwargs)
+                with rec.quiet():
+                    arr = _tensor_to_array(rec, obj, obj.detach().numpy())
+                return from_tracked(arr, args, kwargs)
             if isinstance(obj, _TrackedList) and obj and not isinstance(list.__getitem__(obj, 0), list):
                 res = _NP_ARRAY(list(list.__iter__(obj)), *args, **kwargs).view(_TrackedArray)
-                idx = torch.tensor(obj._origin)
-                if rec.prov.whole((obj._name, idx)):
-                    rec.prov.add_copy_array(obj._name, idx, res.view(np.ndarray))
-                else:
-                    rec.note_read(obj._name, idx, "np.array(list)")
+                with rec.quiet():
+                    idx = torch.tensor(obj._origin)
+                    if rec.prov.whole((obj._name, idx)):
+                        rec.prov.add_copy_array(obj._name, idx, res.view(np.ndarray))
+                    else:
+                        rec.note_read(obj._name, idx, "np.array(list)")
                 return res
             if isinstance(obj, _TrackedArray):
                 return from_tracked(obj, args, kwargs)
