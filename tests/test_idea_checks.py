@@ -159,3 +159,119 @@ def test_blockwise_row_in_numpy():
 
 def test_blockwise_written_another_way_passes(ns01):
     check.blockwise_stats(blockwise_einsum_style)
+
+
+# ------------------------------------------------------------------ 02 / 03: V1 and V2
+def _v2_loop(q, k, v, Br, Bc, normalise_every_step=False, dtype=None):
+    """V2's loop order (Q blocks outside); optionally V1's normalised update inside it."""
+    N, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    dt = dtype or q.dtype
+    O, lse = torch.empty(N, v.shape[1], dtype=dt), torch.empty(N, dtype=dt)
+    for i in range(0, N, Br):
+        Qi = q[i:i + Br]
+        br = Qi.shape[0]
+        m, l = torch.full((br,), NEG_INF, dtype=dt), torch.zeros(br, dtype=dt)
+        acc = torch.zeros(br, v.shape[1], dtype=dt)
+        for j in range(0, k.shape[0], Bc):
+            S = Qi @ k[j:j + Bc].T * scale                       # [br, bc]
+            m_new = torch.maximum(m, S.amax(1))
+            P = torch.exp(S - m_new[:, None])
+            alpha = torch.exp(m - m_new)
+            l_new = alpha * l + P.sum(1)
+            if normalise_every_step:                             # V1's O, divided at every KV block
+                acc = ((alpha * l)[:, None] * acc + P @ v[j:j + Bc]) / l_new[:, None]
+            else:
+                acc = alpha[:, None] * acc + P @ v[j:j + Bc]
+            m, l = m_new, l_new
+        O[i:i + Br] = acc if normalise_every_step else acc / l[:, None]
+        lse[i:i + Br] = m + torch.log(l)
+    return O, lse
+
+
+def v2_divides_every_step(q, k, v, Br=4, Bc=3):
+    return _v2_loop(q, k, v, Br, Bc, normalise_every_step=True)
+
+
+def v2_reciprocal_every_step(q, k, v, Br=4, Bc=3):
+    N, d = q.shape
+    O, lse = torch.empty(N, d), torch.empty(N)
+    for i in range(0, N, Br):
+        Qi = q[i:i + Br]
+        br = Qi.shape[0]
+        m, l, o = torch.full((br,), NEG_INF), torch.zeros(br), torch.zeros(br, d)
+        for j in range(0, k.shape[0], Bc):
+            S = Qi @ k[j:j + Bc].T / math.sqrt(d)
+            m_new = torch.maximum(m, S.amax(1))
+            P = torch.exp(S - m_new[:, None])
+            alpha = torch.exp(m - m_new)
+            l_new = alpha * l + P.sum(1)
+            inv = 1 / l_new                                      # a division per row, every KV block
+            o = (alpha * l * inv)[:, None] * o + inv[:, None] * (P @ v[j:j + Bc])
+            m, l = m_new, l_new
+        O[i:i + Br], lse[i:i + Br] = o, m + torch.log(l)
+    return O, lse
+
+
+def v2_scores_in_numpy(q, k, v, Br=4, Bc=3):
+    S = q.double().numpy() @ k.double().numpy().T / math.sqrt(q.shape[1])     # [N, Nk] in numpy
+    m = S.max(1)
+    lse = np.log(np.exp(S - m[:, None]).sum(1)) + m
+    return torch.from_numpy(np.exp(S - lse[:, None]) @ v.double().numpy()).float(), torch.from_numpy(lse).float()
+
+
+def v1_scores_in_numpy(q, k, v, Br=4, Bc=3):
+    return v2_scores_in_numpy(q, k, v)[0]
+
+
+def v1_wrong_order_on_copies(q, k, v, Br=4, Bc=3):
+    """V2's loop order on float64 copies: k and v are read once per Q block, not once."""
+    q, k, v = q.double(), k.double(), v.double()
+    return _v2_loop(q, k, v, Br, Bc, normalise_every_step=True)[0].float()
+
+
+def v2_einsum(q, k, v, Br=4, Bc=3):               # correct, another way: einsum and float64 tiles
+    N, d = q.shape
+    O, lse = torch.empty(N, d), torch.empty(N)
+    for i in range(0, N, Br):
+        Qi = q[i:i + Br].double()                  # a load of one Q tile (a copy of a piece is a load)
+        m = torch.full((Qi.shape[0],), NEG_INF, dtype=torch.float64)
+        l = torch.zeros(Qi.shape[0], dtype=torch.float64)
+        acc = torch.zeros(Qi.shape[0], d, dtype=torch.float64)
+        for j in range(0, k.shape[0], Bc):
+            S = torch.einsum("id,jd->ij", Qi, k[j:j + Bc].double()) / math.sqrt(d)
+            m_new = torch.maximum(m, S.amax(1))
+            P = torch.exp(S - m_new[:, None])
+            alpha = torch.exp(m - m_new)
+            l = alpha * l + P.sum(1)
+            acc = alpha[:, None] * acc + torch.einsum("ij,jd->id", P, v[j:j + Bc].double())
+            m = m_new
+        O[i:i + Br] = (acc / l[:, None]).float()
+        lse[i:i + Br] = (m + torch.log(l)).float()
+    return O, lse
+
+
+def test_v2_divides_every_step():
+    rejects(check.flash_attn_v2, v2_divides_every_step, "divided", "divide once (metered)", "V1's update",
+            "once after it")
+
+
+def test_v2_reciprocal_every_step():
+    rejects(check.flash_attn_v2, v2_reciprocal_every_step, "divided", "divides each row of O once")
+
+
+def test_v2_scores_in_numpy():
+    rejects(check.flash_attn_v2, v2_scores_in_numpy, "shape [32, 40] (np.matmul)", "whole N x Nk score matrix")
+
+
+def test_v1_scores_in_numpy():
+    rejects(check.flash_attn_v1, v1_scores_in_numpy, "shape [32, 40] (np.matmul)", "whole N x Nk score matrix")
+
+
+def test_v1_wrong_loop_order_on_float64_copies():
+    rejects(check.flash_attn_v1, v1_wrong_order_on_copies, "`k` was read 4 times", "k.double() still counts",
+            "V1 puts the KV loop outside")
+
+
+def test_v2_einsum_and_float64_tiles_pass():
+    check.flash_attn_v2(v2_einsum)
