@@ -275,3 +275,86 @@ def test_v1_wrong_loop_order_on_float64_copies():
 
 def test_v2_einsum_and_float64_tiles_pass():
     check.flash_attn_v2(v2_einsum)
+
+
+# ------------------------------------------------------------------ 04 / 05: causal and masked tiles
+def _tiled(q, k, v, Br, Bc, visible, *, compute, products):
+    """V2 loop; ``visible(i0, j0, br, bc)`` -> bool [br, bc]; ``compute(tile_vis)`` says whether a tile is
+    computed; ``products``: scores and P V as elementwise products and sums instead of @."""
+    N, d = q.shape
+    Nk = k.shape[0]
+    O, lse = torch.empty(N, v.shape[1]), torch.empty(N)
+    for i0 in range(0, N, Br):
+        Qi = q[i0:i0 + Br]
+        br = Qi.shape[0]
+        m, l, acc = torch.full((br,), NEG_INF), torch.zeros(br), torch.zeros(br, v.shape[1])
+        for j0 in range(0, Nk, Bc):
+            Kj, Vj = k[j0:j0 + Bc], v[j0:j0 + Bc]
+            vis = visible(i0, j0, br, Kj.shape[0])                       # [br, bc] bool
+            if not compute(vis):
+                continue
+            if products:
+                S = (Qi[:, None, :] * Kj[None, :, :]).sum(-1) / math.sqrt(d)   # [br, bc, d] -> [br, bc]
+            else:
+                S = torch.einsum("id,jd->ij", Qi, Kj) / math.sqrt(d)
+            if not vis.all():                                            # only tiles with a hidden score
+                S = S.masked_fill(~vis, NEG_INF)
+            m_new = torch.maximum(m, S.amax(1))
+            m_safe = torch.where(m_new == NEG_INF, 0.0, m_new)
+            P = torch.exp(S - m_safe[:, None])
+            alpha = torch.exp(m - m_safe)
+            l = alpha * l + P.sum(1)
+            pv = (P[:, :, None] * Vj[None]).sum(1) if products else torch.einsum("ij,jd->id", P, Vj)
+            acc = alpha[:, None] * acc + pv
+            m = m_new
+        l_safe = torch.where(l == 0, 1.0, l)
+        O[i0:i0 + br] = acc / l_safe[:, None]
+        lse[i0:i0 + br] = torch.where(l == 0, NEG_INF, m + torch.log(l_safe))
+    return O, lse
+
+
+def _causal(products, every_tile):
+    def flash_attn_causal(q, k, v, Br=4, Bc=3, align="top_left"):
+        N, Nk = q.shape[0], k.shape[0]
+        off = 0 if align == "top_left" else Nk - N
+
+        def visible(i0, j0, br, bc):
+            return torch.arange(j0, j0 + bc)[None, :] <= torch.arange(i0, i0 + br)[:, None] + off
+        return _tiled(q, k, v, Br, Bc, visible, products=products,
+                      compute=(lambda t: True) if every_tile else (lambda t: bool(t.any())))
+    return flash_attn_causal
+
+
+def _masked(products, every_tile):
+    def flash_attn_masked(q, k, v, mask, Br=4, Bc=3):
+        def visible(i0, j0, br, bc):
+            return mask[i0:i0 + br, j0:j0 + bc]
+        return _tiled(q, k, v, Br, Bc, visible, products=products,
+                      compute=(lambda t: True) if every_tile else (lambda t: bool(t.any())))
+    return flash_attn_masked
+
+
+def test_causal_every_tile_by_elementwise_products():
+    msg = rejects(check.flash_attn_causal, _causal(products=True, every_tile=True), "elementwise",
+                  "0 in matmuls", "entirely above the diagonal", "the work done (metered)")
+    assert "full tile" not in msg            # it masks only tiles with a hidden score: the FLOPs catch it
+
+
+def test_masked_every_tile_by_elementwise_products():
+    rejects(check.flash_attn_masked, _masked(products=True, every_tile=True), "elementwise", "0 in matmuls",
+            "no key is visible")
+
+
+@pytest.mark.parametrize("products", [False, True], ids=["einsum", "elementwise products"])
+def test_causal_skipping_written_another_way_passes(products):
+    check.flash_attn_causal(_causal(products=products, every_tile=False))
+
+
+@pytest.mark.parametrize("products", [False, True], ids=["einsum", "elementwise products"])
+def test_masked_skipping_written_another_way_passes(products):
+    check.flash_attn_masked(_masked(products=products, every_tile=False))
+
+
+def test_causal_every_tile_by_einsum():
+    rejects(check.flash_attn_causal, _causal(products=False, every_tile=True), "matmul FLOPs",
+            "entirely above the diagonal")
