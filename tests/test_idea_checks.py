@@ -257,7 +257,7 @@ def test_v2_divides_every_step():
 
 
 def test_v2_reciprocal_every_step():
-    rejects(check.flash_attn_v2, v2_reciprocal_every_step, "divided", "divides each row of O once")
+    rejects(check.flash_attn_v2, v2_reciprocal_every_step, "divided", "divides each row of O once", "V1's update")
 
 
 def test_v2_scores_in_numpy():
@@ -358,3 +358,63 @@ def test_masked_skipping_written_another_way_passes(products):
 def test_causal_every_tile_by_einsum():
     rejects(check.flash_attn_causal, _causal(products=False, every_tile=True), "matmul FLOPs",
             "entirely above the diagonal")
+
+
+# ------------------------------------------------------------------ 06: the paged cache, split over pages
+def _paged_token_split(ns06):
+    partial_attention, combine_splits = ns06["partial_attention"], ns06["combine_splits"]
+
+    def flash_decode_paged(q, k_pages, v_pages, block_table, seqlen, num_splits=4):
+        H, d = q.shape
+        _, ps, Hkv, _ = k_pages.shape
+        chunk = max(1, math.ceil(seqlen / num_splits))                 # tokens per split: boundaries mid-page
+        o_parts, lse_parts = torch.zeros(num_splits, H, d), torch.full((num_splits, H), NEG_INF)
+        for s in range(num_splits):
+            t, t1 = min(s * chunk, seqlen), min((s + 1) * chunk, seqlen)
+            ks, vs = [], []
+            while t < t1:
+                p, off = divmod(t, ps)
+                n = min(ps - off, t1 - t)
+                phys = int(block_table[p])
+                ks.append(k_pages[phys, off:off + n])
+                vs.append(v_pages[phys, off:off + n])
+                t += n
+            if not ks:
+                continue
+            o_s, lse_s = partial_attention(q.reshape(Hkv, H // Hkv, d), torch.cat(ks).transpose(0, 1),
+                                           torch.cat(vs).transpose(0, 1), 1.0 / math.sqrt(d))
+            o_parts[s], lse_parts[s] = o_s.reshape(H, d), lse_s.reshape(H)
+        return combine_splits(o_parts, lse_parts)
+    return flash_decode_paged
+
+
+def _paged_per_head(ns06):                        # correct, another way: pages split, each page read per KV head
+    partial_attention, combine_splits = ns06["partial_attention"], ns06["combine_splits"]
+
+    def flash_decode_paged(q, k_pages, v_pages, block_table, seqlen, num_splits=4):
+        H, d = q.shape
+        _, ps, Hkv, _ = k_pages.shape
+        G = H // Hkv
+        n_pages = math.ceil(seqlen / ps)
+        per_split = max(1, math.ceil(n_pages / num_splits))
+        o_parts, lse_parts = torch.zeros(num_splits, H, d), torch.full((num_splits, H), NEG_INF)
+        for s in range(num_splits):
+            pages = range(min(s * per_split, n_pages), min((s + 1) * per_split, n_pages))
+            if not pages:
+                continue
+            for h in range(Hkv):
+                ks = [k_pages[int(block_table[p]), :min(ps, seqlen - p * ps), h] for p in pages]   # [n, d] each
+                vs = [v_pages[int(block_table[p]), :min(ps, seqlen - p * ps), h] for p in pages]
+                o_s, lse_s = partial_attention(q[h * G:(h + 1) * G], torch.cat(ks), torch.cat(vs), 1 / math.sqrt(d))
+                o_parts[s, h * G:(h + 1) * G], lse_parts[s, h * G:(h + 1) * G] = o_s, lse_s
+        return combine_splits(o_parts, lse_parts)
+    return flash_decode_paged
+
+
+def test_paged_split_over_tokens(ns06):
+    rejects(check.flash_decode_paged, _paged_token_split(ns06), "inside a page", "split over tokens",
+            "ceil(n_pages / num_splits) pages per split")
+
+
+def test_paged_split_over_pages_read_per_head_passes(ns06):
+    check.flash_decode_paged(_paged_per_head(ns06))

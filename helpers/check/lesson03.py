@@ -108,8 +108,8 @@ def _divide_once(g):
                        q, k, v, Br=Br, Bc=Bc), names=("q", "k", "v"))
     once = N * d
     if r.divisions > N * (d + 1):
-        g.fail(f"your function divided {r.divisions:,} elements by l (by a tensor), {r.divisions / once:g} times the "
-               f"{once} elements of O; V2 divides each row of O once",
+        g.fail(f"your function divided {r.divisions:,} elements by a tensor such as l, over {n_kv} KV blocks; V2 "
+               f"divides each row of O once, after the KV loop: the {once} elements of O = acc / l",
                hint="that is V1's update (O kept normalised: divide by l_new at every KV block). V2 keeps acc "
                     "unnormalised during the KV loop, acc = alpha * acc + P_ij @ V_j, and divides once after it, "
                     "O_i = acc / l: one division per element of O instead of one per KV block")
