@@ -418,3 +418,47 @@ def test_paged_split_over_tokens(ns06):
 
 def test_paged_split_over_pages_read_per_head_passes(ns06):
     check.flash_decode_paged(_paged_per_head(ns06))
+
+
+# ------------------------------------------------------------------ 07: attn_inner without a safe max
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+
+@triton.jit
+def inner_no_safe_max(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, qk_scale, Nk,
+                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=cols[:, None] < Nk, other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=cols[:, None] < Nk, other=0.0)
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn)
+            v = tl.load(v_ptrs + start_n * stride_vn)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            keep = cols[None, :] < Nk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            qk = tl.where(keep, qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_ij[:, None])              # no safe max: -inf - (-inf) for a row with no key yet
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+def test_triton_inner_without_safe_max():
+    ns = notebook_namespace("07_triton_gpu")
+    ns["attn_inner"] = inner_no_safe_max
+    rejects(check.flash_attn_triton, ns["flash_attn_triton"], "a row that has seen no key yet", "NaN",
+            "m_safe = tl.where(m_ij == float('-inf'), 0.0, m_ij)")
+
+
+def test_triton_worked_inner_passes_the_safe_max_case(capsys):
+    ns = notebook_namespace("07_triton_gpu")
+    check.flash_attn_triton(ns["flash_attn_triton"])
+    assert "not checked" not in capsys.readouterr().out
