@@ -55,7 +55,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
@@ -673,25 +672,37 @@ class _Recorder(TorchDispatchMode):
             self.noop_masks += int(bool(b.all()) if name == "where" else not bool(b.any()))
 
 
-class _Escapes(TorchFunctionMode):
-    """Follows a tensor out of torch: into a Python list or a numpy array."""
+@contextlib.contextmanager
+def _escapes(rec: _Recorder):
+    """Follows a tensor out of torch, into a Python list or a numpy array: ``t.tolist()``,
+    ``t.numpy()`` and ``t.__array__()`` are wrapped while the meter runs (a TorchFunctionMode
+    would do it too, at the cost of a Python call around every torch op)."""
+    names = ("tolist", "numpy", "__array__")
+    own = {n: torch.Tensor.__dict__[n] for n in names if n in torch.Tensor.__dict__}
+    originals = {n: getattr(torch.Tensor, n) for n in names}
 
-    def __init__(self, rec: _Recorder):
-        super().__init__()
-        self.rec = rec
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name not in ("tolist", "numpy", "__array__") or not args or not isinstance(args[0], torch.Tensor):
-            return func(*args, **kwargs)
-        rec, t = self.rec, args[0]
-        rec.escapes[name] += 1
-        values = func(*args, **kwargs)
-        with rec.quiet():
-            if name == "tolist":
-                return rec.to_list(None, values, rec.prov.of_tensor(t), tensor=t)
-            return _tensor_to_array(rec, t, values)
+    def wrap(name, orig):
+        def escape(self, *args, **kwargs):
+            values = orig(self, *args, **kwargs)
+            if rec.off:
+                return values
+            rec.escapes[name] += 1
+            with rec.quiet():
+                if name == "tolist":
+                    return rec.to_list(None, values, rec.prov.of_tensor(self), tensor=self)
+                return _tensor_to_array(rec, self, values)
+        escape.__name__ = name
+        return escape
+    try:
+        for n, f in originals.items():
+            setattr(torch.Tensor, n, wrap(n, f))
+        yield
+    finally:
+        for n in names:
+            if n in own:
+                setattr(torch.Tensor, n, own[n])
+            else:
+                delattr(torch.Tensor, n)
 
 
 def _tensor_to_array(rec, t, arr):
@@ -728,7 +739,7 @@ def _numpy_constructors(rec):
             if isinstance(obj, torch.Tensor):
                 rec.escapes["np." + fname] += 1
                 with rec.quiet():
-                    arr = _tensor_to_array(rec, obj, obj.detach().numpy())
+                    arr = _tensor_to_array(rec, obj, obj.detach().cpu().resolve_conj().numpy())
                 return from_tracked(arr, args, kwargs)
             if isinstance(obj, _TrackedList) and obj and not isinstance(list.__getitem__(obj, 0), list):
                 res = _NP_ARRAY(list(list.__iter__(obj)), *args, **kwargs).view(_TrackedArray)
@@ -774,7 +785,7 @@ def measure(fn, *args, names=None, **kwargs) -> Measurement:
     prev = _TrackedArray._rec
     _TrackedArray._rec = rec
     try:
-        with _numpy_constructors(rec), _Escapes(rec), flop_mode, rec:
+        with _numpy_constructors(rec), _escapes(rec), flop_mode, rec:
             result = fn(*args, **kwargs)
     finally:
         _TrackedArray._rec = prev
