@@ -49,7 +49,6 @@ Use: ``r = meter.measure(fn, q, k, v, names=("q", "k", "v"))``; ``print(r)``.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
