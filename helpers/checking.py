@@ -294,6 +294,35 @@ class Grader:
                 return bug.hint
         return ""
 
+    # ----------------------------------------------------------------- metering
+    def measure(self, case: Case, fn=None, names=None):
+        """Meter one call of the learner's function on copies of ``case``'s inputs (``helpers.meter``).
+
+        Every idea check goes through here: ``case`` becomes the current case (a failing idea
+        check names it), the tensor arguments are named after ``arg_names`` (or ``names``), and an
+        error the learner's function raises while metered is a ❌ verdict with this case, never a
+        traceback from the checker. Returns the ``meter.Measurement``.
+        """
+        from . import meter
+        self.case = case
+        fn = fn or self.fn
+        args, kwargs = _clone(case.args), _clone(case.kwargs)
+        if names is None:
+            names = [self.arg_names[i] if self.arg_names and i < len(self.arg_names) else f"x{i}"
+                     for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        try:
+            return meter.measure(fn, *args, names=names, **kwargs)
+        except NotImplementedError:
+            raise _NotAttempted from None
+        except CheckFailure:
+            raise
+        except Exception as e:  # noqa: BLE001 - any error in learner code becomes a verdict
+            where = _where_in_learner_code(e.__traceback__)
+            self.fail(f"your function raised {type(e).__name__} while metered (called once more, on this "
+                      f"case): {e}{where}",
+                      hint=_hint_for_exception(e) or "the same function passed the cases above: look for "
+                      "what differs here (the sizes, the tiles) or for state kept between calls")
+
 
 def _hint_for_exception(e: Exception) -> str:
     msg = str(e)

@@ -3,42 +3,64 @@
 A GPU kernel keeps its working tiles in SRAM (registers, shared memory) and reads
 and writes everything else in HBM. On a CPU we cannot see SRAM, but every torch op
 still goes through the dispatcher, so a ``TorchDispatchMode`` sees each op, its
-inputs and its outputs. The meter calls a storage "HBM" when it is
+inputs and its outputs. The meter calls memory "HBM" when it is
 
-- an input of the function (q, k, v, x, ...),
+- an input of the function (q, k, v, x, ...), or a whole copy of one: ``q.double()``,
+  ``k.T.contiguous()``, ``x.tolist()``, ``x.numpy()`` hold q's, k's, x's elements, so
+  reading them is reading the input (the meter follows each element through copies,
+  casts, numpy arrays and Python lists: its *provenance*),
 - a tensor the function returns, or
 - a buffer the function updates a piece at a time (``O[i:i+Br] = ...``), which is
   exactly what a kernel keeps off-chip between tiles (V1's O, m and l).
 
-Everything else is "SRAM": tiles and temporaries. The meter reports
+Everything else is "SRAM": tiles and temporaries. Copying a *piece* of an input
+(``k[j:j+Bc].double()``) is a load of that tile into SRAM. The meter reports
 
-- ``flops``: from ``torch.utils.flop_counter`` (matrix products: 2·M·N·K each),
-- ``largest``: the largest SRAM tensor made (numel, shape, op), which is how the
-  checkers catch an N x Nk score matrix,
+- ``flops``: matrix-product FLOPs from ``torch.utils.flop_counter`` (2·M·N·K each; the
+  meter adds ``mv`` and ``dot``, which it does not count), plus numpy's ``@``/``dot``;
+- ``elementwise_flops``: one per element made by a pointwise op (``mul``, ``exp``,
+  ``where``...) and one per element read by a reduction (``sum``, ``amax``...), in torch
+  and numpy: a score tile computed as ``(Qi[:, None] * Kj[None]).sum(-1)`` costs the same
+  2·Br·Bc·d here as ``Qi @ Kj.T`` does in ``flops``;
+- ``largest``: the largest SRAM tensor or numpy array made (numel, shape, op), which is
+  how the checkers catch an N x Nk score matrix;
 - ``hbm_read_bytes`` / ``hbm_write_bytes``: bytes of HBM read and written. Taking a
   slice of an HBM tensor (``Qi = q[i:i+Br]``) and then reading it is one *load* of
   that tile: later reads of the same tile (or of views of it, like ``Kj.T``) are
   free, as they would be from SRAM. Slicing again (a new ``q[i:i+Br]`` in the next
   iteration) is a new load. Writing into a slice (``O[i:i+Br] = ...``) is a write
-  each time and reads nothing.
+  each time and reads nothing. Bytes of an input are counted in the input's dtype.
 - ``reads`` / ``writes``: the same, per named tensor (``q``, ``k``, ``v``, ``out``,
   and ``buffer0``, ``buffer1``, ... for the piecewise-updated buffers),
-- ``elementwise``: how many elements each pointwise op touched (``div``, ``exp``...),
-- ``ops``: every op name seen, so a checker can spot ``scaled_dot_product_attention``.
+- ``read_ranges`` / ``read_sizes`` / ``read_elements``: per input, each load's (first,
+  last+1) element, its number of elements and the elements themselves, in order; ``element_reads``: per input, how many times each
+  element was loaded (2 everywhere is a second pass);
+- ``divisions``: elements produced by dividing by a tensor of more than one element
+  (``acc / l[:, None]``, ``1 / l``): dividing by a constant (``S / math.sqrt(d)``) is not
+  counted;
+- ``noop_masks``: masks applied to a 2-D tile that change nothing (``masked_fill`` with an
+  all-False mask, ``where`` with an all-True condition);
+- ``elementwise``: how many elements each pointwise op made (``div``, ``exp``...),
+- ``ops``: every op name seen, so a checker can spot ``scaled_dot_product_attention``;
+  ``escapes``: conversions to Python or numpy (``tolist``, ``numpy``...).
 
 Use: ``r = meter.measure(fn, q, k, v, names=("q", "k", "v"))``; ``print(r)``.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = ["measure", "Measurement", "Largest"]
+
+_NP_ARRAY = np.array   # numpy's own, while the meter puts a following version in its place
 
 _aten = torch.ops.aten
 # Ops that only make metadata or fresh constant memory: not a read of anything.
@@ -47,7 +69,30 @@ _NO_READ = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones
             "scalar_tensor", "lift_fresh", "detach", "alias", "_to_copy_meta"}
 # Ops that fill their (first) argument without reading it.
 _FILL = {"fill_", "zero_", "copy_", "normal_", "uniform_", "random_"}
+# Ops that copy their input as it is (maybe in another dtype or layout): a whole copy of an input is that input.
+_COPY = {"_to_copy", "clone", "copy_"}
+# Not marked as views, but their output shares the input's memory (reshape after a copy).
+_VIEW_LIKE = {"_unsafe_view"}
 _POINTWISE_TAG = torch.Tag.pointwise
+_REDUCTION_TAG = torch.Tag.reduction
+_REDUCTIONS = {"_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
+_DIVISIONS = {"div", "div_", "true_divide", "true_divide_", "reciprocal", "reciprocal_"}
+
+
+def _mv_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
+    return 2 * a_shape[0] * a_shape[1]
+
+
+def _dot_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
+    return 2 * a_shape[0]
+
+
+def _addmv_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
+    return 2 * a_shape[0] * a_shape[1]
+
+
+# torch's flop counter counts mm/bmm/addmm/baddbmm (and attention kernels), not a matrix times a vector
+_EXTRA_FLOPS = {_aten.mv: _mv_flops, _aten.dot: _dot_flops, _aten.vdot: _dot_flops, _aten.addmv: _addmv_flops}
 
 
 @dataclass
@@ -56,8 +101,15 @@ class Largest:
     shape: tuple = ()
     op: str = ""
 
+    @property
+    def made_by(self) -> str:
+        """The op that made it: ``aten.mm``, or ``np.matmul`` for a numpy array."""
+        return self.op if self.op.startswith("np.") else f"aten.{self.op}"
+
     def __str__(self):
-        return f"{list(self.shape)} ({self.numel:,} elements, made by aten.{self.op})" if self.numel else "none"
+        if not self.numel:
+            return "none"
+        return f"{list(self.shape)} ({self.numel:,} elements, made by {self.made_by})"
 
 
 @dataclass
@@ -71,20 +123,39 @@ class Measurement:
     read_ranges: dict = field(default_factory=dict)  # name -> [(first, last+1) element offsets] in order
     elementwise: Counter = field(default_factory=Counter)  # op name -> elements produced
     ops: Counter = field(default_factory=Counter)   # op name -> calls
+    elementwise_flops: int = 0                      # pointwise elements made + reduction elements read
+    divisions: int = 0                              # elements divided by a tensor of > 1 element
+    read_sizes: dict = field(default_factory=dict)  # input name -> [elements of each load] in order
+    read_elements: dict = field(default_factory=dict)  # input name -> [int64 tensor: elements of each load]
+    element_reads: dict = field(default_factory=dict)  # input name -> int64 tensor: loads of each element
+    noop_masks: int = 0                             # tile masks that changed nothing
+    escapes: Counter = field(default_factory=Counter)  # "tolist", "numpy", ... -> calls
 
     @property
     def hbm_bytes(self) -> int:
         return self.hbm_read_bytes + self.hbm_write_bytes
 
+    @property
+    def total_flops(self) -> int:
+        """Matmul FLOPs plus elementwise FLOPs."""
+        return self.flops + self.elementwise_flops
+
+    def passes(self, name) -> int:
+        """The most times any element of input ``name`` was loaded (1: one pass; 0: never read)."""
+        t = self.element_reads.get(name)
+        return int(t.max()) if t is not None and t.numel() else 0
+
     def __str__(self):
         def kib(b):
             return f"{b / 1024:,.1f} KiB"
         rows = [f"FLOPs (matmuls)      {self.flops:,}",
+                f"FLOPs (elementwise)  {self.elementwise_flops:,}",
                 f"largest SRAM tensor  {self.largest}",
                 f"HBM read             {kib(self.hbm_read_bytes)}  " +
                 ", ".join(f"{k} {kib(v)}" for k, v in self.reads.items()),
                 f"HBM written          {kib(self.hbm_write_bytes)}  " +
-                ", ".join(f"{k} {kib(v)}" for k, v in self.writes.items())]
+                ", ".join(f"{k} {kib(v)}" for k, v in self.writes.items()),
+                f"divisions by a tensor {self.divisions:,} elements"]
         return "\n".join(rows)
 
 
@@ -105,31 +176,415 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return (lo, hi + 1)
 
 
+# ------------------------------------------------------------------ provenance
+@dataclass
+class _Region:
+    """Memory that holds an input's elements: the input itself, or a whole copy of it.
+
+    ``origin[e]`` is the input element (flat index) held by element ``e`` of the memory
+    starting at address ``base``, or -1.
+    """
+    name: str
+    base: int
+    nbytes: int
+    itemsize: int
+    origin: torch.Tensor   # int64 [nbytes // itemsize]
+    keep: object = None    # the owner of the memory, kept alive so the address is not reused
+
+
+def _layout(addr, itemsize, shape, strides_el):
+    """(offset lo, offset hi+1) relative to addr, in elements, of a strided view."""
+    lo = hi = 0
+    for n, s in zip(shape, strides_el):
+        if n == 0:
+            return None
+        if s >= 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    return lo, hi + 1
+
+
+class _Provenance:
+    """Which input element each element of a tensor, array or list holds."""
+
+    def __init__(self):
+        self.regions: list[_Region] = []
+        self.numel: dict = {}      # input name -> numel
+        self.itemsize: dict = {}   # input name -> bytes per element (the input's dtype)
+
+    def add_input(self, name, t: torch.Tensor):
+        self.numel[name] = t.numel()
+        self.itemsize[name] = t.element_size()
+        st = t.untyped_storage()
+        n = st.nbytes() // t.element_size()
+        origin = torch.full((n,), -1, dtype=torch.int64)
+        if t.numel():
+            origin.as_strided(t.shape, t.stride(), t.storage_offset()).copy_(
+                torch.arange(t.numel()).reshape(t.shape))
+        self.regions.append(_Region(name, st.data_ptr(), st.nbytes(), t.element_size(), origin, t))
+
+    def _find(self, addr, itemsize, shape, strides_el):
+        if not self.regions or addr == 0:
+            return None
+        span = _layout(addr, itemsize, shape, strides_el)
+        if span is None:
+            return None
+        for r in reversed(self.regions):
+            if r.itemsize != itemsize or not (r.base <= addr < r.base + r.nbytes):
+                continue
+            off, rem = divmod(addr - r.base, itemsize)
+            if rem or off + span[0] < 0 or off + span[1] > r.origin.numel():
+                continue
+            return r, off
+        return None
+
+    def of_tensor(self, t: torch.Tensor):
+        """(name, int64 tensor of t's shape: input element per element, -1 where none) or None."""
+        if not isinstance(t, torch.Tensor) or t.is_sparse or t.device.type == "meta" or t.numel() == 0:
+            return None
+        try:
+            addr = t.data_ptr()
+        except RuntimeError:
+            return None
+        hit = self._find(addr, t.element_size(), t.shape, t.stride())
+        if hit is None:
+            return None
+        r, off = hit
+        return r.name, r.origin.as_strided(t.shape, t.stride(), off)
+
+    def of_array(self, a: np.ndarray):
+        if not isinstance(a, np.ndarray) or a.size == 0 or a.dtype.hasobject:
+            return None
+        itemsize = a.itemsize
+        if any(s % itemsize for s in a.strides):
+            return None
+        strides_el = tuple(s // itemsize for s in a.strides)
+        hit = self._find(a.__array_interface__["data"][0], itemsize, a.shape, strides_el)
+        if hit is None:
+            return None
+        r, off = hit
+        o = r.origin.numpy()
+        idx = np.lib.stride_tricks.as_strided(o[off:], shape=a.shape, strides=tuple(s * 8 for s in strides_el))
+        return r.name, torch.from_numpy(np.array(idx))
+
+    def whole(self, prov) -> bool:
+        """True when ``prov`` holds every element of its input exactly once."""
+        if prov is None:
+            return False
+        name, idx = prov
+        n = self.numel.get(name, -1)
+        return idx.numel() == n and bool((idx >= 0).all()) and torch.unique(idx).numel() == n
+
+    def add_copy_tensor(self, name, idx, out: torch.Tensor):
+        st = out.untyped_storage()
+        n = st.nbytes() // out.element_size()
+        origin = torch.full((n,), -1, dtype=torch.int64)
+        origin.as_strided(out.shape, out.stride(), out.storage_offset()).copy_(idx.reshape(out.shape))
+        self.regions.append(_Region(name, st.data_ptr(), st.nbytes(), out.element_size(), origin, out))
+
+    def add_copy_array(self, name, idx, out: np.ndarray):
+        base = out.base if out.base is not None and isinstance(out.base, np.ndarray) else out
+        flat = np.full(out.size, -1, dtype=np.int64)
+        # a fresh copy is contiguous (C or F order); place the origin in its memory order
+        order = "F" if out.flags.f_contiguous and not out.flags.c_contiguous else "C"
+        flat[:] = idx.reshape(out.shape).numpy().ravel(order=order)
+        self.regions.append(_Region(name, out.__array_interface__["data"][0], out.nbytes, out.itemsize,
+                                    torch.from_numpy(flat), (out, base)))
+
+
+class _TrackedList(list):
+    """``t.tolist()`` of an input (or a whole copy): reading an element is a load of that element."""
+
+    def __init__(self, values, origin, name, rec):
+        super().__init__(values)
+        self._origin, self._name, self._rec = origin, name, rec
+
+    def _read(self, i):
+        v = list.__getitem__(self, i)
+        if isinstance(v, _TrackedList):
+            return v
+        with self._rec.quiet():
+            self._rec.note_read(self._name, torch.tensor([self._origin[i]]), "tolist[i]")
+        return v
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            idx = range(len(self))[i]
+            return _TrackedList([list.__getitem__(self, j) for j in idx], [self._origin[j] for j in idx],
+                                self._name, self._rec)
+        return self._read(i)
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self._read(i)
+
+    def __reversed__(self):
+        for i in reversed(range(len(self))):
+            yield self._read(i)
+
+    def __contains__(self, v):
+        return any(x == v for x in self)
+
+    def copy(self):
+        return self[:]
+
+
+def _wrap_list(values, origin, name, rec):
+    if isinstance(values, list):
+        return _TrackedList([_wrap_list(v, o, name, rec) if isinstance(v, list) else v
+                             for v, o in zip(values, origin)], origin, name, rec)
+    return values
+
+
+class _TrackedArray(np.ndarray):
+    """A numpy array the meter follows: its ufuncs and functions are counted like torch ops."""
+
+    _rec = None
+
+    def __array_finalize__(self, obj):
+        self._tile = getattr(obj, "_tile", None)
+
+    # ---- element access
+    def __getitem__(self, key):
+        out = super().__getitem__(key)
+        rec = _TrackedArray._rec
+        if rec is None:
+            return out
+        if isinstance(out, np.ndarray):
+            out = out.view(_TrackedArray)
+            out._tile = self._tile if self._tile is not None else rec.new_tile()
+            return out
+        with rec.quiet():
+            prov = rec.prov.of_array(self.view(np.ndarray))
+            if prov is not None:
+                idx = prov[1].numpy()[key]
+                if idx >= 0:
+                    rec.note_read(prov[0], torch.tensor([int(idx)]), "ndarray[i]")
+        return out
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def tolist(self):
+        rec = _TrackedArray._rec
+        plain = self.view(np.ndarray)
+        if rec is None:
+            return plain.tolist()
+        with rec.quiet():
+            return rec.to_list(plain, plain.tolist(), rec.prov.of_array(plain), tile=self._tile)
+
+    def item(self, *args):
+        if args:
+            return self[args if len(args) > 1 else args[0]].item()
+        return super().item()
+
+    def astype(self, dtype, *args, **kwargs):
+        return _copy_array(self, super().astype(dtype, *args, **kwargs))
+
+    def copy(self, *args, **kwargs):
+        return _copy_array(self, super().copy(*args, **kwargs))
+
+    # ---- compute
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        rec = _TrackedArray._rec
+        plain = [x.view(np.ndarray) if isinstance(x, _TrackedArray) else x for x in inputs]
+        if out is not None:
+            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, _TrackedArray) else x for x in out)
+        if rec is not None:
+            rec.depth += 1
+        try:
+            result = getattr(ufunc, method)(*plain, **kwargs)
+        finally:
+            if rec is not None:
+                rec.depth -= 1
+        if rec is not None:
+            with rec.quiet():
+                rec.numpy_op(f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}"), inputs,
+                             result, ufunc=ufunc, method=method)
+        return _wrap_result(result, out)
+
+    def __array_function__(self, func, types, args, kwargs):
+        rec = _TrackedArray._rec
+        if rec is None:
+            return super().__array_function__(func, types, args, kwargs)
+        before = rec.numpy_events
+        rec.depth += 1
+        try:
+            result = super().__array_function__(func, types, args, kwargs)
+        finally:
+            rec.depth -= 1
+        if rec.numpy_events == before:   # implemented in C: no ufunc inside told us anything
+            leaves = [a for a in _np_leaves((args, kwargs)) if isinstance(a, np.ndarray)]
+            with rec.quiet():
+                rec.numpy_op(f"np.{func.__name__}", leaves, result, func=func)
+        return _wrap_result(result, None)
+
+
+def _np_leaves(obj):
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _np_leaves(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _np_leaves(x)
+    else:
+        yield obj
+
+
+def _wrap_result(result, out):
+    if out is not None:
+        return result
+    if isinstance(result, tuple):
+        return tuple(_wrap_result(r, None) for r in result)
+    if isinstance(result, np.ndarray) and not isinstance(result, _TrackedArray):
+        return result.view(_TrackedArray)
+    return result
+
+
+def _copy_array(src, out):
+    rec = _TrackedArray._rec
+    if rec is None or out is src:
+        return out
+    out = out.view(_TrackedArray) if not isinstance(out, _TrackedArray) else out
+    with rec.quiet():
+        prov = rec.prov.of_array(src.view(np.ndarray))
+        if rec.prov.whole(prov):
+            rec.prov.add_copy_array(prov[0], prov[1], out.view(np.ndarray))
+        elif prov is not None:
+            rec.read_array(src, "np.copy")
+            rec.note_made(out.size, out.shape, "np.copy")
+    return out
+
+
 class _Recorder(TorchDispatchMode):
     """Records, for every op: which storages it read and wrote, and what it made."""
 
     def __init__(self):
         super().__init__()
-        self.events = []      # (op, [(storage_key, bytes, span)] read, [(key, bytes, span, whole)] written)
+        self.events = []      # (op, reads, writes); a read: (storage_key, bytes, span, input name, elements)
         self.made = []        # (storage_key, numel, shape, op) for every non-view output
         self.keep = []        # keep storages alive so their data_ptrs are not reused
         self.piecewise = {}  # storage keys written through a strict sub-view, in first-write order
         self.elementwise = Counter()
+        self.elementwise_flops = 0
+        self.extra_flops = 0  # numpy matmuls
+        self.divisions = 0
+        self.noop_masks = 0
         self.ops = Counter()
+        self.escapes = Counter()
         self.tile_of = {}       # id(view tensor) -> tile number (views of views share it)
         self.loaded = set()     # tile numbers already read once
+        self.tiles = 0
+        self.prov = _Provenance()
+        self.depth = 0          # > 0 inside a numpy function: its ufuncs are counted, not the function
+        self.numpy_events = 0
+        self.off = 0            # > 0 while the meter's own bookkeeping runs torch ops: not recorded
+
+    @contextlib.contextmanager
+    def quiet(self):
+        self.off += 1
+        try:
+            yield
+        finally:
+            self.off -= 1
+
+    def new_tile(self):
+        self.tiles += 1
+        return -self.tiles   # numpy tiles: negative numbers, so they never meet torch's
 
     def _key(self, t):
         s = t.untyped_storage()
         self.keep.append(t)
         return s.data_ptr() if s.nbytes() else id(s)
 
+    # ---- reads and things made, from any source
+    def note_read(self, name, elems, op, key=None, nbytes=0, span=(0, 0)):
+        self.events.append((op, [(key, nbytes, span, name, elems)], []))
+
+    def note_made(self, numel, shape, op, key=None):
+        self.made.append((key, int(numel), tuple(shape), op))
+
+    def _read_entry(self, t, tile_owner=None):
+        """The read of tensor t, or None when t is a tile already in SRAM."""
+        tile = self.tile_of.get(id(t))
+        if tile is not None and tile in self.loaded:
+            return None
+        if tile is not None:
+            self.loaded.add(tile)
+        prov = self.prov.of_tensor(t)
+        name, elems = (prov[0], prov[1].flatten()) if prov is not None else (None, None)
+        if elems is not None:
+            elems = elems[elems >= 0]
+        return (self._key(t), _bytes(t), _span(t), name, elems)
+
+    def read_array(self, a, op):
+        """A numpy op read array a: a load of the input elements it holds (once per numpy tile)."""
+        tile = getattr(a, "_tile", None)
+        if tile is not None and tile in self.loaded:
+            return
+        prov = self.prov.of_array(a.view(np.ndarray))
+        if prov is None:
+            return
+        if tile is not None:
+            self.loaded.add(tile)
+        elems = prov[1].flatten()
+        self.note_read(prov[0], elems[elems >= 0], op)
+
+    def numpy_op(self, op, inputs, result, ufunc=None, method=None, func=None):
+        if self.depth:
+            return
+        self.numpy_events += 1
+        self.ops[op] += 1
+        arrays = [x for x in inputs if isinstance(x, np.ndarray)]
+        for a in arrays:
+            self.read_array(a, op)
+        outs = [r for r in (result if isinstance(result, tuple) else (result,)) if isinstance(r, np.ndarray)]
+        out_size = sum(r.size for r in outs) if outs else 1
+        in_size = max((a.size for a in arrays), default=1)
+        base = (ufunc.__name__ if ufunc is not None else func.__name__ if func is not None else op)
+        if base in ("matmul", "dot", "inner", "tensordot", "vdot", "einsum") and len(arrays) >= 2:
+            a, b = arrays[0], arrays[1]
+            k = a.shape[-1] if a.ndim else 1
+            self.extra_flops += 2 * max(out_size, 1) * k
+        elif method in (None, "__call__") and ufunc is not None:
+            self.elementwise_flops += out_size
+            self.elementwise[op] += out_size
+            if base in ("divide", "true_divide", "floor_divide", "reciprocal"):
+                divisor = inputs[-1] if base != "reciprocal" else inputs[0]
+                if isinstance(divisor, np.ndarray) and divisor.size > 1:
+                    self.divisions += out_size
+        else:   # reductions and other functions: one per element read
+            self.elementwise_flops += in_size
+        for r in outs:
+            if r.ndim:
+                self.note_made(r.size, r.shape, op)
+
+    # ---- conversions to Python and numpy (called by _Escapes)
+    def to_list(self, source, values, prov, tile=None, tensor=None):
+        if self.prov.whole(prov):
+            if isinstance(values, list):
+                return _wrap_list(values, prov[1].tolist(), prov[0], self)
+            self.note_read(prov[0], prov[1].flatten(), "tolist")
+            return values
+        if tensor is not None:
+            entry = self._read_entry(tensor)
+            if entry is not None:
+                self.events.append(("tolist", [entry], []))
+        elif prov is not None:
+            self.read_array(source, "tolist")
+        return values
+
+    # ---- torch ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.off:
+            return out
         name = func.overloadpacket.__name__
         self.ops[name] += 1
-        if func.is_view:
+        if func.is_view or name in _VIEW_LIKE:
             src = args[0] if args and isinstance(args[0], torch.Tensor) else None
             tile = self.tile_of.get(id(src)) if src is not None else None
             if tile is None:
@@ -153,35 +608,158 @@ class _Recorder(TorchDispatchMode):
             for leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
                     flat_in.append((a.name, leaf))
+        if name in _COPY and self._whole_copy(name, flat_in, written_args, out):
+            return out
         reads, writes = [], []
         for arg_name, t in flat_in:
-            key = self._key(t)
             is_written = arg_name in written_args
             if is_written:
+                key = self._key(t)
                 whole = t.numel() * t.element_size() >= t.untyped_storage().nbytes()
                 writes.append((key, _bytes(t), _span(t), whole))
                 if not whole:
                     self.piecewise.setdefault(key, len(self.piecewise))
             if not is_written or name not in _FILL:
-                tile = self.tile_of.get(id(t))
-                if tile is not None and tile in self.loaded:
-                    continue  # this tile is already in SRAM
-                if tile is not None and not is_written:
-                    self.loaded.add(tile)
-                reads.append((key, _bytes(t), _span(t)))
+                entry = self._read_entry(t)
+                if entry is not None:
+                    reads.append(entry)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if not written_args:  # a functional op: its outputs are new tensors
-            outs, _ = tree_flatten(out)
             for o in outs:
-                if isinstance(o, torch.Tensor):
-                    key = self._key(o)
-                    writes.append((key, _bytes(o), _span(o), True))
-                    self.made.append((key, o.numel(), tuple(o.shape), name))
-                    if _POINTWISE_TAG in func.tags:
-                        self.elementwise[name] += o.numel()
-        elif _POINTWISE_TAG in func.tags:
-            self.elementwise[name] += max((t.numel() for n, t in flat_in if n in written_args), default=0)
+                key = self._key(o)
+                writes.append((key, _bytes(o), _span(o), True))
+                self.made.append((key, o.numel(), tuple(o.shape), name))
+        produced = sum(o.numel() for o in outs) if not written_args else \
+            max((t.numel() for n, t in flat_in if n in written_args), default=0)
+        if _POINTWISE_TAG in func.tags:
+            self.elementwise[name] += produced
+            self.elementwise_flops += produced
+        elif _REDUCTION_TAG in func.tags or name in _REDUCTIONS:
+            self.elementwise_flops += max((t.numel() for n, t in flat_in if n not in written_args), default=0)
+        if name in _DIVISIONS:
+            divisor = [t for n, t in flat_in if n == ("other" if "div" in name else "self")]
+            if divisor and divisor[0].numel() > 1:
+                self.divisions += produced
+        if name in ("masked_fill", "masked_fill_", "where", "index_put", "index_put_"):
+            self._noop_mask(name, args, kwargs)
         self.events.append((name, reads, writes))
         return out
+
+    def _whole_copy(self, name, flat_in, written_args, out) -> bool:
+        """A copy of a whole input (or of a whole copy of one): register it as that input; no read."""
+        srcs = [t for n, t in flat_in if n not in written_args]
+        if len(srcs) != 1:
+            return False
+        prov = self.prov.of_tensor(srcs[0])
+        if not self.prov.whole(prov):
+            return False
+        dst = [t for n, t in flat_in if n in written_args] if written_args else \
+            [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if len(dst) != 1 or dst[0].numel() != srcs[0].numel():
+            return False
+        self.keep.append(dst[0])
+        self.prov.add_copy_tensor(prov[0], prov[1], dst[0])
+        self.events.append((name, [], []))
+        return True
+
+    def _noop_mask(self, name, args, kwargs):
+        bools = [t for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.dim() == 2
+                 and t.shape[0] >= 1 and t.shape[1] > 1]
+        if bools:
+            b = bools[0]
+            self.noop_masks += int(bool(b.all()) if name == "where" else not bool(b.any()))
+
+
+@contextlib.contextmanager
+def _escapes(rec: _Recorder):
+    """Follows a tensor out of torch, into a Python list or a numpy array: ``t.tolist()``,
+    ``t.numpy()`` and ``t.__array__()`` are wrapped while the meter runs (a TorchFunctionMode
+    would do it too, at the cost of a Python call around every torch op)."""
+    names = ("tolist", "numpy", "__array__")
+    own = {n: torch.Tensor.__dict__[n] for n in names if n in torch.Tensor.__dict__}
+    originals = {n: getattr(torch.Tensor, n) for n in names}
+
+    def wrap(name, orig):
+        def escape(self, *args, **kwargs):
+            values = orig(self, *args, **kwargs)
+            if rec.off:
+                return values
+            rec.escapes[name] += 1
+            with rec.quiet():
+                if name == "tolist":
+                    return rec.to_list(None, values, rec.prov.of_tensor(self), tensor=self)
+                return _tensor_to_array(rec, self, values)
+        escape.__name__ = name
+        return escape
+    try:
+        for n, f in originals.items():
+            setattr(torch.Tensor, n, wrap(n, f))
+        yield
+    finally:
+        for n in names:
+            if n in own:
+                setattr(torch.Tensor, n, own[n])
+            else:
+                delattr(torch.Tensor, n)
+
+
+def _tensor_to_array(rec, t, arr):
+    """``t.numpy()``: a whole input stays that input; a piece of one is loaded (copied) into SRAM."""
+    prov = rec.prov.of_tensor(t)
+    if prov is None or rec.prov.whole(prov):
+        if prov is not None and arr.__array_interface__["data"][0] != t.data_ptr():
+            rec.prov.add_copy_array(prov[0], prov[1], arr)   # __array__(dtype) made a copy
+        rec.keep.append(t)
+        return arr.view(_TrackedArray)
+    entry = rec._read_entry(t)
+    if entry is not None:
+        rec.events.append(("numpy", [entry], []))
+    out = np.array(arr).view(_TrackedArray)
+    rec.note_made(out.size, out.shape, "np.array")
+    return out
+
+
+@contextlib.contextmanager
+def _numpy_constructors(rec):
+    """np.array / np.asarray / np.asanyarray of a tensor or a followed list give followed arrays."""
+    saved = {n: getattr(np, n) for n in ("array", "asarray", "asanyarray")}
+
+    def make(fname, orig):
+        def from_tracked(arr, args, kwargs):
+            if fname == "array":
+                kwargs["subok"] = True
+                res = orig(arr, *args, **kwargs)
+                return _copy_array(arr, res) if res is not arr else res
+            dtype = args[0] if args else kwargs.get("dtype")
+            return arr if dtype is None or np.dtype(dtype) == arr.dtype else arr.astype(dtype)
+
+        def conv(obj, *args, **kwargs):
+            if isinstance(obj, torch.Tensor):
+                rec.escapes["np." + fname] += 1
+                with rec.quiet():
+                    arr = _tensor_to_array(rec, obj, obj.detach().cpu().resolve_conj().numpy())
+                return from_tracked(arr, args, kwargs)
+            if isinstance(obj, _TrackedList) and obj and not isinstance(list.__getitem__(obj, 0), list):
+                res = _NP_ARRAY(list(list.__iter__(obj)), *args, **kwargs).view(_TrackedArray)
+                with rec.quiet():
+                    idx = torch.tensor(obj._origin)
+                    if rec.prov.whole((obj._name, idx)):
+                        rec.prov.add_copy_array(obj._name, idx, res.view(np.ndarray))
+                    else:
+                        rec.note_read(obj._name, idx, "np.array(list)")
+                return res
+            if isinstance(obj, _TrackedArray):
+                return from_tracked(obj, args, kwargs)
+            return orig(obj, *args, **kwargs)
+        return conv
+    try:
+        for n, f in saved.items():
+            setattr(np, n, make(n, f))
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(np, n, f)
 
 
 def _tensor_leaves(obj):
@@ -196,33 +774,53 @@ def measure(fn, *args, names=None, **kwargs) -> Measurement:
     The arguments are passed as given: pass copies if ``fn`` may change them.
     """
     rec = _Recorder()
-    hbm = {}  # storage key -> name
+    hbm = {}  # storage key -> name (outputs and piecewise buffers; inputs are followed by provenance)
     tensor_args = [a for a in args if isinstance(a, torch.Tensor)]
     names = list(names) if names is not None else [f"x{i}" for i in range(len(tensor_args))]
     for nm, t in zip(names, tensor_args):
         hbm.setdefault(rec._key(t), nm)
-    flop_mode = FlopCounterMode(display=False)
-    with flop_mode, rec:
-        result = fn(*args, **kwargs)
+        rec.prov.add_input(nm, t)
+    flop_mode = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
+    prev = _TrackedArray._rec
+    _TrackedArray._rec = rec
+    try:
+        with _numpy_constructors(rec), _escapes(rec), flop_mode, rec:
+            result = fn(*args, **kwargs)
+    finally:
+        _TrackedArray._rec = prev
     outs = _tensor_leaves(result)
     for i, o in enumerate(outs):
         hbm.setdefault(rec._key(o), "out" if len(outs) == 1 else f"out{i}")
     for j, key in enumerate(k for k in rec.piecewise if k not in hbm):
         hbm[key] = f"buffer{j}"
+    inputs = set(rec.prov.numel)
 
-    m = Measurement(flops=int(flop_mode.get_total_flops()), elementwise=rec.elementwise, ops=rec.ops)
-    reads, writes, ranges = defaultdict(int), defaultdict(int), defaultdict(list)
+    m = Measurement(flops=int(flop_mode.get_total_flops()) + rec.extra_flops, elementwise=rec.elementwise,
+                    ops=rec.ops, elementwise_flops=rec.elementwise_flops, divisions=rec.divisions,
+                    noop_masks=rec.noop_masks, escapes=rec.escapes)
+    reads, writes, ranges, sizes, loads = (defaultdict(int), defaultdict(int), defaultdict(list), defaultdict(list),
+                                           defaultdict(list))
+    counts = {nm: torch.zeros(n, dtype=torch.int64) for nm, n in rec.prov.numel.items()}
     for _name, rd, wr in rec.events:
-        for key, nbytes, span in rd:
-            if key in hbm:
+        for key, nbytes, span, name, elems in rd:
+            if name is not None:       # an input's elements, wherever they were copied to
+                if elems is None or elems.numel() == 0:
+                    continue
+                reads[name] += elems.numel() * rec.prov.itemsize[name]
+                ranges[name].append((int(elems.min()), int(elems.max()) + 1))
+                sizes[name].append(int(elems.numel()))
+                loads[name].append(elems)
+                counts[name].index_add_(0, elems, torch.ones_like(elems))
+            elif key in hbm and hbm[key] not in inputs:
                 reads[hbm[key]] += nbytes
                 ranges[hbm[key]].append(span)
         for key, nbytes, span, _whole in wr:
             if key in hbm:
                 writes[hbm[key]] += nbytes
     for key, numel, shape, op in rec.made:
-        if key not in hbm and numel > m.largest.numel:
+        if (key is None or key not in hbm) and numel > m.largest.numel:
             m.largest = Largest(numel, shape, op)
     m.reads, m.writes, m.read_ranges = dict(reads), dict(writes), dict(ranges)
+    m.read_sizes, m.read_elements, m.element_reads = dict(sizes), dict(loads), counts
     m.hbm_read_bytes, m.hbm_write_bytes = sum(reads.values()), sum(writes.values())
     return m

@@ -69,11 +69,12 @@ def test_stats_without_max():
 
 def test_stats_another_correct_way():
     def online_via_lse(x):  # keeps lse instead of (m, l); still one pass
-        lse = -math.inf
+        lse, m = -math.inf, -math.inf
         for xi in x.tolist():
             hi, lo = max(lse, xi), min(lse, xi)
             lse = hi if lo == -math.inf else hi + math.log1p(math.exp(lo - hi))
-        return (max(x.tolist()), math.exp(lse - max(x.tolist()))) if lse > -math.inf else (-math.inf, 0.0)
+            m = max(m, xi)
+        return (m, math.exp(lse - m)) if lse > -math.inf else (-math.inf, 0.0)
     check.online_softmax_stats(online_via_lse)
 
 
@@ -193,11 +194,11 @@ def test_blockwise_whole_row_rejected_though_right():
 def test_blockwise_another_correct_way():
     def via_logsumexp_blocks(x, Bc):
         lse = torch.full((x.shape[0],), -math.inf)
-        for j in range(0, x.shape[1], Bc):
-            lse = torch.logaddexp(lse, torch.logsumexp(x[:, j:j + Bc], dim=1))
         m = torch.full((x.shape[0],), -math.inf)
         for j in range(0, x.shape[1], Bc):
-            m = torch.maximum(m, x[:, j:j + Bc].amax(1))
+            block = x[:, j:j + Bc]                 # one pass: each block read once
+            lse = torch.logaddexp(lse, torch.logsumexp(block, dim=1))
+            m = torch.maximum(m, block.amax(1))
         return m, torch.where(torch.isinf(m), torch.zeros_like(m), torch.exp(lse - m))
     check.blockwise_stats(via_logsumexp_blocks)
 

@@ -1,6 +1,9 @@
-"""The meter measures what it claims: FLOPs, the largest tile, HBM bytes per tensor."""
+"""The meter measures what it claims: FLOPs (matmul and elementwise), the largest tile, HBM bytes per
+tensor, each input's elements followed through copies, numpy arrays and Python lists."""
 import math
 
+import numpy as np
+import pytest
 import torch
 
 from helpers import meter
@@ -56,3 +59,103 @@ def test_piecewise_buffers_are_hbm():
 def test_elementwise_counts_divisions():
     r = meter.measure(lambda a: a / 3.0 + a.exp() / 2.0, torch.randn(10), names=["a"])
     assert r.elementwise["div"] == 20 and r.elementwise["exp"] == 10
+
+
+# ------------------------------------------------------------------ provenance: an input's elements wherever they go
+def test_a_whole_copy_is_the_input():
+    def on_copies(q, k):
+        q64, kT = q.double(), k.T.contiguous()            # whole copies: no read yet
+        return sum(float((q64[i:i + 2] @ kT.double()).sum()) for i in range(0, 6, 2))
+    q, k = torch.randn(6, 4), torch.randn(5, 4)
+    r = meter.measure(on_copies, q, k, names="qk")
+    assert r.reads["q"] == q.numel() * 4                  # each q tile once, counted in q's dtype
+    assert r.reads["k"] == 3 * k.numel() * 4              # kT.double() is a new copy of all of k, read per tile
+    assert r.passes("q") == 1 and r.passes("k") == 3
+
+
+def test_a_copy_of_a_piece_is_a_load():
+    r = meter.measure(lambda x: x[2:5].double().sum() + x[2:5].double().sum(), torch.randn(8), names=["x"])
+    assert r.read_sizes["x"] == [3, 3] and r.read_ranges["x"] == [(2, 5), (2, 5)]
+    assert r.element_reads["x"].tolist() == [0, 0, 2, 2, 2, 0, 0, 0]
+
+
+def test_tolist_elements_are_followed():
+    def two_pass(x):
+        xs = x.tolist()
+        m = max(xs)
+        return m, sum(v - m for v in xs)
+    r = meter.measure(two_pass, torch.randn(5), names=["x"])
+    assert r.read_sizes["x"] == [1] * 10 and r.passes("x") == 2 and r.escapes["tolist"] == 1
+    assert [lo for lo, _ in r.read_ranges["x"]] == [0, 1, 2, 3, 4] * 2
+
+
+def test_tolist_of_a_2d_input_follows_rows():
+    r = meter.measure(lambda x: [row[1] for row in x.tolist()], torch.randn(3, 4), names=["x"])
+    assert [lo for lo, _ in r.read_ranges["x"]] == [1, 5, 9]
+
+
+def test_numpy_work_is_metered():
+    def scores(q, k):
+        S = q.numpy() @ np.asarray(k).T                   # [N, Nk] made in numpy
+        return torch.from_numpy(np.exp(S - S.max(1, keepdims=True)))
+    q, k = torch.randn(6, 4), torch.randn(7, 4)
+    r = meter.measure(scores, q, k, names="qk")
+    assert r.largest.shape == (6, 7) and r.largest.made_by == "np.matmul"
+    assert r.flops == 2 * 6 * 7 * 4
+    assert r.reads == {"q": q.numel() * 4, "k": k.numel() * 4}
+    assert r.elementwise_flops == 3 * 6 * 7               # max (a reduction), subtract, exp
+
+
+def test_numpy_tiles_are_loads_and_copies_are_the_input():
+    def tiles(x):
+        a = np.array(x, dtype=np.float64)                 # a whole copy: still x
+        return float(sum(a[i:i + 2].sum() for i in range(0, 6, 2)) + a[0])
+    r = meter.measure(tiles, torch.randn(6), names=["x"])
+    assert r.read_sizes["x"] == [2, 2, 2, 1] and r.element_reads["x"].tolist() == [2, 1, 1, 1, 1, 1]
+
+
+# ------------------------------------------------------------------ what the work costs
+def test_elementwise_flops_match_a_matmul():
+    a, b = torch.randn(4, 8), torch.randn(3, 8)
+    by_mm = meter.measure(lambda a, b: a @ b.T, a, b)
+    by_products = meter.measure(lambda a, b: (a[:, None] * b[None]).sum(-1), a, b)
+    assert by_mm.flops == by_products.elementwise_flops == 2 * 4 * 3 * 8
+    assert by_products.flops == 0 and by_mm.elementwise_flops == 0
+
+
+def test_matrix_vector_products_count():
+    r = meter.measure(lambda a, x: (a @ x) + torch.dot(x, x), torch.randn(5, 3), torch.randn(3))
+    assert r.flops == 2 * 5 * 3 + 2 * 3
+
+
+def test_divisions_by_a_tensor_not_by_a_constant():
+    def f(s, l):
+        return (s / math.sqrt(8.0)) / l[:, None] + 1 / l[:, None]
+    r = meter.measure(f, torch.randn(4, 6), torch.rand(4) + 1)
+    assert r.divisions == 4 * 6 + 4
+
+
+def test_noop_masks_are_counted():
+    def f(s):
+        s = s.masked_fill(torch.zeros(3, 4, dtype=torch.bool), -math.inf)   # changes nothing
+        s = s.masked_fill(torch.eye(3, 4, dtype=torch.bool), -math.inf)     # does
+        return torch.where(torch.ones(3, 4, dtype=torch.bool), s, 0.0)      # changes nothing
+    assert meter.measure(f, torch.randn(3, 4)).noop_masks == 2
+
+
+# ------------------------------------------------------------------ Grader.measure: one error behaviour
+def test_an_error_while_metered_is_a_verdict_with_the_case():
+    from helpers import check
+    from helpers.checking import CheckFailure
+    from tests.conftest import notebook_namespace
+    sol = notebook_namespace("04_causal_tile_classes")["flash_attn_causal"]
+
+    def fails_when_metered(q, k, v, Br=4, Bc=3, align="top_left"):
+        if q.shape == (24, 16):                           # only the metered case's shape
+            raise RuntimeError("boom")
+        return sol(q, k, v, Br, Bc, align)
+    with pytest.raises(CheckFailure) as info:
+        check.flash_attn_causal(fails_when_metered)
+    msg = str(info.value)
+    assert "raised RuntimeError while metered" in msg and "boom" in msg and "the work done (metered)" in msg
+    assert "Traceback" not in msg

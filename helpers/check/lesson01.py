@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .. import meter, reference
+from .. import reference
 from ..checking import Bug, Case, exercise
 
 NEG_INF = -math.inf
@@ -81,25 +81,36 @@ def online_softmax_stats(g):
     _one_pass(g)
 
 
+def _via(r):
+    """How the function got at x's elements, when not through torch ops (for the verdict)."""
+    ways = sorted(r.escapes)
+    return f" (through {', '.join('x.' + w + '()' if not w.startswith('np.') else w + '(x)' for w in ways)})" \
+        if ways else ""
+
+
 def _one_pass(g):
-    """The point of the exercise: a single left-to-right pass over x, one element at a time."""
+    """The point of the exercise: a single left-to-right pass over x, one element at a time.
+
+    The meter follows x's elements through copies (``x.double()``), ``x.tolist()`` and
+    ``x.numpy()``, so a second pass over any of them is a second pass over x.
+    """
     x = torch.randn(12, generator=_gen(2))
-    case = Case("one pass (metered)", x)
-    g.case = case
-    args = (x.clone(),)
-    try:
-        r = meter.measure(g.fn, *args, names=["x"])
-    except Exception:  # noqa: BLE001 - errors were already reported by g.call on the same kind of input
-        return
-    spans = r.read_ranges.get("x", [])
-    for lo, hi in spans:
-        if hi - lo > 1:
-            g.fail(f"your function read {hi - lo} elements of x in one operation "
+    r = g.measure(Case("one pass (metered)", x))
+    for n in r.read_sizes.get("x", []):
+        if n > 1:
+            g.fail(f"your function read {n} elements of x in one operation{_via(r)} "
                    f"(ops seen: {', '.join(sorted(set(r.ops) - {'select', 'slice', 'unbind'}))})",
                    hint="that is the 2- or 3-pass softmax (max first, then the sum): the online version visits "
                         "x once, element by element (`for xi in x:`), keeping only m and l")
+    passes = r.passes("x")
+    if passes > 1:
+        worst = int(r.element_reads["x"].argmax())
+        g.fail(f"your function read x[{worst}] {passes} times{_via(r)}: that is {passes} passes over x",
+               hint="that is the 2-pass softmax (the max first, then the sum against it), one element at a time: "
+                    "the online version keeps m and l up to date as it goes, rescaling l by exp(m_old - m_new) "
+                    "when the max grows, so one left-to-right pass is enough")
     frontier = -1
-    for lo, _hi in spans:
+    for lo, _hi in r.read_ranges.get("x", []):
         if lo < frontier:
             g.fail(f"your function went back to x[{lo}] after reading x[{frontier}]: that is a second pass",
                    hint="keep m and l up to date as you go, so one left-to-right pass is enough")
@@ -232,15 +243,31 @@ def blockwise_stats(g):
                   nan_hint="a block that is all -inf for some row has (-inf, 0): computing its l as "
                            "exp(x - max) gives exp(-inf - -inf) = NaN; use a safe max (0 where the max is -inf)")
         g.count()
-    # the idea: a block at a time, never a tensor as wide as the row
-    x = torch.randn(4, 48, generator=_gen(5))
-    g.case = Case("blocks only (metered)", x, 8)
-    r = meter.measure(g.fn, x.clone(), 8, names=["x"])
-    if r.largest.numel > 4 * 8:
-        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}); "
-               "with Bc = 8 nothing wider than [R, Bc] = [4, 8] is needed",
+    _blocks_only(g)
+
+
+def _blocks_only(g):
+    """The idea: one pass over x, a block at a time; nothing read or made wider than [R, Bc]."""
+    R, n, Bc = 4, 48, 8
+    x = torch.randn(R, n, generator=_gen(5))
+    r = g.measure(Case("blocks only (metered)", x, Bc))
+    if r.largest.numel > R * Bc:
+        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by}); "
+               f"with Bc = {Bc} nothing wider than [R, Bc] = [{R}, {Bc}] is needed",
                hint="compute each block's (m, l) from x[:, j:j+Bc] alone and merge: a kernel never holds "
                     "the whole row")
+    widest = max(r.read_sizes.get("x", [0]))
+    if widest > R * Bc:
+        g.fail(f"one operation read {widest} elements of x{_via(r)}; with Bc = {Bc} a block is [R, Bc] = "
+               f"[{R}, {Bc}] = {R * Bc} elements (ops seen: {', '.join(sorted(r.ops))})",
+               hint="that is the whole row at once (e.g. x.amax(1) or torch.logsumexp(x, 1)): a kernel never holds "
+                    "the row. Compute each block's (m_j, l_j) from x[:, j:j+Bc] alone and merge it into (m, l)")
+    passes = r.passes("x")
+    if passes > 1:
+        g.fail(f"your function read every block of x {passes} times{_via(r)}: {passes} passes over x",
+               hint="that is the 2-pass version (the max over all blocks first, then the sums against it): "
+                    "merge each block's (m_j, l_j) into the running (m, l) as you go (merge_ml rescales both "
+                    "to the new max), so each block is read once")
 
 
 # ------------------------------------------------------------------ lse_from_stats

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .. import meter, reference
+from .. import reference
 from ..checking import Bug, Case, exercise
 
 # float32 tiles against a float64 reference: a few rounding steps per KV block.
@@ -132,14 +132,8 @@ def idea_case():
 
 
 def measure_case(g, case):
-    """Meter one call of the learner's function on copies of ``case``'s inputs."""
-    g.case = case
-    q, k, v = (a.clone() for a in case.args)
-    try:
-        return meter.measure(g.fn, q, k, v, names=("q", "k", "v"), **case.kwargs)
-    except Exception as e:  # noqa: BLE001 - the same function passed the cases; say what broke here
-        g.fail(f"your function raised {type(e).__name__} while metered: {e}",
-               hint="the meter calls your function once more on this case; it must run on any shapes")
+    """Meter one call of the learner's function on copies of ``case``'s inputs (``Grader.measure``)."""
+    return g.measure(case, names=("q", "k", "v"))
 
 
 def check_tiles_only(g, r, case):
@@ -157,7 +151,7 @@ def check_tiles_only(g, r, case):
     if r.largest.numel > limit:
         big = r.largest.numel >= N * Nk
         what = "the whole N x Nk score matrix" if big else "a score block larger than a tile"
-        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}): {what}; "
+        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by}): {what}; "
                f"with Br = {Br}, Bc = {Bc}, d = {d} nothing larger than [{Br}, {Bc}] tiles and [N, d] rows is needed",
                hint="the right output from a materialised score matrix defeats FlashAttention: its point is "
                     "never writing the N x Nk matrix to HBM. Compute S_ij = Qi @ Kj.T * scale one [Br, Bc] "
@@ -186,7 +180,8 @@ def flash_attn_v1(g):
     for name in ("k", "v"):
         got = r.reads.get(name, 0)
         if got > k_bytes:
-            g.fail(f"`{name}` was read {got / k_bytes:g} times from HBM (once is V1's order)",
+            g.fail(f"`{name}` was read {got / k_bytes:g} times from HBM (once is V1's order; a copy such as "
+                   f"{name}.double() still counts as {name})",
                    hint="V1 puts the KV loop outside: load Kj = k[j:j+Bc] and Vj = v[j:j+Bc] once, before the "
                         "loop over Q blocks, and use them for every Qi; the Q blocks are read again for each "
                         "KV block (V2 is the other way round)")

@@ -11,7 +11,7 @@ import math
 import torch
 
 from .. import reference
-from ..checking import Bug, exercise
+from ..checking import Bug, Case, exercise
 from .lesson02 import (ATOL, IDEA_BC, IDEA_D, IDEA_N, RTOL, attention_cases, check_tiles_only, idea_case,
                        measure_case, o_bugs, tiled_model)
 
@@ -90,3 +90,26 @@ def flash_attn_v2(g):
                hint="keep acc in SRAM (a local tensor) during the KV loop and write O[i:i+Br] = acc / l once, "
                     "after it: each extra write is a round trip to HBM that V2 exists to remove")
     g.count()
+    _divide_once(g)
+    g.count()
+
+
+def _divide_once(g):
+    """The lesson's title: O is divided by l once per row, after the KV loop (V1 divides at every KV block).
+
+    The meter counts elements divided by a tensor of more than one element (``acc / l[:, None]``,
+    ``1 / l``); dividing the scores by a constant (``S / math.sqrt(d)``) is not counted.
+    """
+    N, Nk, d, Br, Bc = 16, 64, 4, 4, 4
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = torch.randn(N, d, generator=gen), torch.randn(Nk, d, generator=gen), torch.randn(Nk, d, generator=gen)
+    n_kv = math.ceil(Nk / Bc)
+    r = g.measure(Case(f"divide once (metered): N = {N}, Nk = {Nk} in {n_kv} KV blocks, d = {d}, Br = Bc = {Br}",
+                       q, k, v, Br=Br, Bc=Bc), names=("q", "k", "v"))
+    once = N * d
+    if r.divisions > N * (d + 1):
+        g.fail(f"your function divided {r.divisions:,} elements by a tensor such as l, over {n_kv} KV blocks; V2 "
+               f"divides each row of O once, after the KV loop: the {once} elements of O = acc / l",
+               hint="that is V1's update (O kept normalised: divide by l_new at every KV block). V2 keeps acc "
+                    "unnormalised during the KV loop, acc = alpha * acc + P_ij @ V_j, and divides once after it, "
+                    "O_i = acc / l: one division per element of O instead of one per KV block")

@@ -2,18 +2,16 @@
 
 References: ``helpers.reference.causal_mask`` (the element-level truth) and
 ``helpers.reference.attention`` (SDPA and ``torch.logsumexp`` in float64). The meter's
-FLOP count rejects a kernel that computes invisible tiles; a small dispatch mode
-rejects one that masks tiles with nothing to mask.
+FLOP count (matmul and elementwise) rejects a kernel that computes invisible tiles, and
+its count of no-op masks one that masks tiles with nothing to mask.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from .. import meter, reference
+from .. import reference
 from ..checking import Bug, Case, exercise
 from ..lesson04 import CLASSES, visible_tile_flops
 
@@ -212,64 +210,57 @@ _NAN = ("NaN on a row with nothing visible (bottom-right with N > Nk: the first 
         "at the end (O = 0, lse = -inf)")
 
 
-class _NoopMasks(TorchDispatchMode):
-    """Counts masks applied to 2-D tiles where they change nothing (every key of the tile visible)."""
-
-    def __init__(self):
-        super().__init__()
-        self.noop = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func.overloadpacket.__name__.rstrip("_")
-        if name in ("masked_fill", "where", "index_put"):
-            bools = [t for t in tree_flatten((args, kwargs))[0]
-                     if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.dim() == 2
-                     and t.shape[0] >= 1 and t.shape[1] > 1]
-            if bools:
-                b = bools[0]
-                noop = bool(b.all()) if name == "where" else not bool(b.any())
-                self.noop += int(noop)
-        return out
-
-
 def _idea(g):
-    """FLOPs only for visible tiles; no N x Nk tensor; no mask on full tiles."""
+    """FLOPs only for visible tiles, however they are computed; no N x Nk tensor; no mask on full tiles."""
     gen = _gen(41)
-    for N, Nk, align in ((24, 24, "top_left"), (12, 30, "bottom_right")):
-        Br, Bc, d = 4, 3, 8
+    for N, Nk, align in ((24, 24, "top_left"), (30, 18, "bottom_right")):
+        Br, Bc, d = 4, 3, 16
         q, k, v = (torch.randn(n, d, generator=gen) for n in (N, Nk, Nk))
-        case = Case(f"the work done (metered), {align}", q, k, v, Br=Br, Bc=Bc, align=align)
-        g.case = case
-        r = meter.measure(g.fn, q.clone(), k.clone(), v.clone(), names=("q", "k", "v"), Br=Br, Bc=Bc, align=align)
-        vis = reference.causal_mask(N, Nk, align)
+        r = g.measure(Case(f"the work done (metered), {align}, N = {N}, Nk = {Nk}, d = {d}", q, k, v,
+                           Br=Br, Bc=Bc, align=align), names=("q", "k", "v"))
         check_visible_work(
-            g, r, visible_tile_flops(vis, Br, Bc, d), N, Nk, d,
+            g, r, reference.causal_mask(N, Nk, align), Br, Bc, d,
             skip_hint="you computed tiles that are entirely above the diagonal and masked them afterwards: the "
                       "result is right but causal attention saves nothing; skip those tiles (never compute "
-                      "their Q K^T or P V), that is where the 2x comes from",
+                      "their Q K^T or P V, with @ or with elementwise products), that is where the 2x comes from",
             tile_hint="FlashAttention never holds anything N x Nk, not even the mask: build each partial "
                       "tile's mask from its row and column indices, [Br, Bc] at a time")
-        counter = _NoopMasks()
-        with counter:
-            g.fn(q.clone(), k.clone(), v.clone(), Br=Br, Bc=Bc, align=align)
-        if counter.noop:
-            g.fail(f"your function applied a mask {counter.noop} times to a tile in which every score is "
+        if r.noop_masks:
+            g.fail(f"your function applied a mask {r.noop_masks} times to a tile in which every score is "
                    "visible (a full tile), e.g. masked_fill with an all-False mask",
                    hint="full tiles need no mask at all, only tiles cut by the diagonal do; in the Triton kernel "
                         "this is the off-band loop (no mask) and the on-band loop (mask): most tiles are full, "
                         "so the mask's cost should be paid only on the band")
 
 
-def check_visible_work(g, r, need, N, Nk, d, skip_hint, tile_hint):
-    """Fail unless the metered run ``r`` did no more matmul FLOPs than ``need`` (the tiles with a
-    visible key) and made no tensor half the size of the ``N x Nk`` score matrix. Used by 04 and 05."""
+# Elementwise work a visible tile may cost besides its two matmuls (4 Br Bc d FLOPs): scaling, masking,
+# max, exp, sum of the scores (per score), rescaling and adding acc (per element of acc), m, l, alpha (per row).
+PER_SCORE, PER_ACC, PER_ROW = 12, 4, 16
+
+
+def check_visible_work(g, r, vis, Br, Bc, d, skip_hint, tile_hint):
+    """Fail unless the metered run ``r`` computed only the tiles of bool ``vis`` [N, Nk] with a visible key.
+
+    Two counts: the matmul FLOPs must not exceed those of the visible tiles, and all FLOPs
+    (matmul + elementwise, so a tile computed as ``(Qi[:, None] * Kj[None]).sum(-1)`` counts
+    too) must stay within the visible tiles' matmuls plus their elementwise allowance. And no
+    tensor half the size of the ``N x Nk`` score matrix. Used by 04 and 05.
+    """
+    N, Nk = vis.shape
+    need = visible_tile_flops(vis, Br, Bc, d)
+    visible = [(min(Br, N - i0), min(Bc, Nk - j0)) for i0 in range(0, N, Br) for j0 in range(0, Nk, Bc)
+               if vis[i0:i0 + Br, j0:j0 + Bc].any()]
+    allowed = need + sum(PER_SCORE * br * bc + PER_ACC * br * d + PER_ROW * br for br, bc in visible)
+    every = 4 * N * Nk * d
     if r.flops > need:
         g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "
-               f"(computing every tile costs {4 * N * Nk * d:,})", hint=skip_hint)
+               f"(computing every tile costs {every:,})", hint=skip_hint)
+    if r.total_flops > allowed:
+        g.fail(f"your function did {r.total_flops:,} FLOPs ({r.flops:,} in matmuls, {r.elementwise_flops:,} "
+               f"elementwise); the {len(visible)} tiles with a visible key need {need:,} in matmuls and at most "
+               f"{allowed:,} in all (computing every tile costs {every:,} in matmuls alone)", hint=skip_hint)
     if r.largest.numel >= N * Nk // 2:
-        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}), "
+        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by}), "
                f"as large as the {N} x {Nk} score matrix", hint=tile_hint)
 
 

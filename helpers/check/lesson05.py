@@ -2,7 +2,7 @@
 
 Reference: ``helpers.reference.attention`` (SDPA and ``torch.logsumexp`` in float64) with
 the course's convention for a row with nothing to attend to: O = 0, lse = -inf. The
-meter's FLOP count rejects a kernel that computes tiles with no visible key.
+meter's FLOP count (matmul and elementwise) rejects a kernel that computes tiles with no visible key.
 """
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import math
 
 import torch
 
-from .. import meter, reference
+from .. import reference
 from ..checking import Bug, Case, exercise
-from ..lesson04 import visible_tile_flops
 from ..lesson05 import make_mask
 from .lesson04 import check_visible_work, tiled_model
 
@@ -122,17 +121,16 @@ _NAN = ("NaN on a fully masked row (or in a tile where a row has no visible key 
 
 
 def _idea(g):
-    """FLOPs only for tiles with a visible key; nothing N x Nk made."""
+    """FLOPs (matmul and elementwise) only for tiles with a visible key; nothing N x Nk made."""
     gen = _gen(51)
-    N, Nk, d, Br, Bc = 24, 27, 8, 4, 3
+    N, Nk, d, Br, Bc = 24, 27, 16, 4, 3
     for kind in ("sliding window", "padding"):
         q, k, v = (torch.randn(n, d, generator=gen) for n in (N, Nk, Nk))
         mask = make_mask(kind, N, Nk)
-        g.case = Case(f"the work done (metered), {kind}", q, k, v, mask, Br=Br, Bc=Bc)
-        r = meter.measure(g.fn, q.clone(), k.clone(), v.clone(), mask.clone(), names=("q", "k", "v", "mask"),
-                          Br=Br, Bc=Bc)
+        r = g.measure(Case(f"the work done (metered), {kind}, d = {d}", q, k, v, mask, Br=Br, Bc=Bc),
+                      names=("q", "k", "v", "mask"))
         check_visible_work(
-            g, r, visible_tile_flops(mask, Br, Bc, d), N, Nk, d,
+            g, r, mask, Br, Bc, d,
             skip_hint="you computed tiles in which no key is visible: their scores are all -inf and add "
                       "nothing; skip them (`if not mask_tile.any(): continue`), so a sparse mask (a window, "
                       "padding, packed documents) costs only its visible tiles",

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .. import meter, reference
+from .. import reference
 from ..checking import Bug, Case, exercise
 from ..lesson06 import make_paged_cache, split_bounds
 
@@ -271,11 +271,11 @@ def _decode_idea(g):
     gen = _gen(31)
     q, k, v = torch.randn(H, d, generator=gen), torch.randn(Hkv, Nk, d, generator=gen), \
         torch.randn(Hkv, Nk, d, generator=gen)
-    g.case = Case(f"metered: H={H} query heads on one KV head, Nk={Nk}, num_splits={S}", q, k, v, num_splits=S)
-    r = meter.measure(g.fn, q.clone(), k.clone(), v.clone(), num_splits=S, names=["q", "k", "v"])
+    r = g.measure(Case(f"metered: H={H} query heads on one KV head, Nk={Nk}, num_splits={S}", q, k, v,
+                       num_splits=S), names=["q", "k", "v"])
     chunk = Nk // S
     if r.largest.numel >= H * Nk:
-        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}); "
+        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by}); "
                f"with {S} splits of {chunk} keys nothing as large as [H, Nk] = [{H}, {Nk}] is needed",
                hint="a score row over the whole cache, or K copied once per query head "
                     "(repeat_interleave), is one big work unit per head: the point of Flash-Decoding is "
@@ -387,15 +387,36 @@ def flash_decode_paged(g):
 
 
 def _paged_idea(g):
-    """Read the pages where they lie: no contiguous copy of the whole sequence's cache."""
-    H, Hkv, Nk, d, ps, S = 4, 2, 64, 4, 4, 4
-    case = _paged_case(f"metered: Nk={Nk} in pages of {ps}, num_splits={S}", H, Hkv, Nk, d, ps, S, 48)
-    g.case = case
-    r = meter.measure(g.fn, *(a.clone() if isinstance(a, torch.Tensor) else a for a in case.args),
-                      num_splits=S, names=["q", "k_pages", "v_pages", "block_table"])
+    """Read the pages where they lie, a split of whole pages at a time: no contiguous copy of the whole
+    sequence's cache, and no read that starts inside a page (a split boundary inside a page)."""
+    H, Hkv, Nk, d, ps, S = 4, 2, 62, 4, 4, 5
+    case = _paged_case(f"metered: seqlen={Nk} in pages of {ps}, num_splits={S}", H, Hkv, Nk, d, ps, S, 48,
+                       note=f"{-(-Nk // ps)} pages: {-(-Nk // ps) // S + 1} whole pages per split; "
+                            f"a split over tokens would hold {-(-Nk // S)} tokens, straddling pages")
+    r = g.measure(case, names=["q", "k_pages", "v_pages", "block_table"])
     if r.largest.numel >= Hkv * Nk * d:
-        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}), "
+        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by}), "
                f"as large as the whole sequence's K ({Hkv} x {Nk} x {d})",
                hint="that is a contiguous copy of the cache: exactly what paging exists to avoid (the copy "
                     "costs a full extra read and write per step). Read the pages of one split at a time "
                     "through block_table")
+    k_pages, table = case.args[1], case.args[3]
+    n_pages = -(-Nk // ps)
+    logical = {int(p): i for i, p in enumerate(table[:n_pages].tolist())}
+    per_token = Hkv * d
+    for name in ("k_pages", "v_pages"):
+        for elems in r.read_elements.get(name, []):
+            token = elems // per_token                                   # page * page_size + slot
+            page, slot = token // ps, token % ps
+            first = torch.full((k_pages.shape[0],), ps, dtype=torch.int64).scatter_reduce(0, page, slot, "amin")
+            inside = (first > 0) & (first < ps)
+            if inside.any():
+                p = int(inside.nonzero()[0])
+                lp = logical.get(p)
+                where = f"logical page {lp}, tokens {lp * ps}..{lp * ps + ps - 1}" if lp is not None else "not in the table"
+                g.fail(f"one read of {name} started at slot {int(first[p])} of page {p} ({where}): inside a page; "
+                       f"with {n_pages} pages and num_splits = {S}, a split covers whole pages",
+                       hint="that is a split over tokens (ceil(seqlen / num_splits) tokens per split, so a split "
+                            "boundary falls inside a page) or a page read token by token. Split over pages: "
+                            "ceil(n_pages / num_splits) pages per split, and read each page's real tokens in one "
+                            "slice, k_pages[block_table[p], :n]: a GPU split walks whole blocks of the table")

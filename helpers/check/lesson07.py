@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .. import lesson07, meter, reference
+from .. import lesson07, reference
 from ..checking import Bug, Case, exercise
 
 # torch ops that mean the answer was computed with torch, not in the kernel
@@ -199,8 +199,93 @@ def flash_attn_triton(g):
                 _check_fwd_out(g, out, q, k, v, causal, None, bugs,
                                sdpa_args=(q.contiguous(), k.contiguous(), v.contiguous()))
                 g.count()
+    checked = _safe_max(g)
     _fwd_idea(g, fn)
+    if not checked:
+        return (f"{g.cases} cases match float64 SDPA, max rel err {g.max_rel_err:.0e} (the rule for a row that has "
+                "seen no key yet was not checked: no `attn_inner` next to your launcher)")
     return None
+
+
+# ------------------------------------------------------------------ a row that sees no key yet
+def _probe_kernel(Q, K, V, O, LSE, ROW0, Nk, qk_scale, LO,
+                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # noqa: F821
+    """Calls the learner's ``attn_inner`` on the band first (keys LO..Nk-1), then on keys 0..LO-1, both
+    masked and causal, with query positions ROW0[pid] + 0..BLOCK_M-1: rows before LO meet a first tile
+    in which they see no key (and rows < 0 never see one). jit-compiled lazily, with ``attn_inner``
+    and ``tl`` in its globals (``_probe``)."""
+    pid = tl.program_id(0)
+    offs_r = tl.arange(0, BLOCK_M)                                                # [BLOCK_M]
+    offs_m = tl.load(ROW0 + pid) + offs_r                                         # positions: row i sees j <= i
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + (pid * BLOCK_M + offs_r)[:, None] * D + offs_d[None, :])      # [BLOCK_M, D]
+    k_ptrs = K + offs_n[:, None] * D + offs_d[None, :]                            # [BLOCK_N, D]
+    v_ptrs = V + offs_n[:, None] * D + offs_d[None, :]
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    acc, l_i, m_i = attn_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, D, D, LO, Nk, offs_m, offs_n, qk_scale, Nk,
+                               BLOCK_N, True, True)
+    acc, l_i, m_i = attn_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, D, D, 0, LO, offs_m, offs_n, qk_scale, Nk,
+                               BLOCK_N, True, True)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    tl.store(LSE + pid * BLOCK_M + offs_r, tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453))
+    tl.store(O + (pid * BLOCK_M + offs_r)[:, None] * D + offs_d[None, :], acc / l_safe[:, None])
+
+
+def _probe(inner):
+    import types
+
+    import triton
+    import triton.language as tl
+    scope = dict(globals(), attn_inner=inner, tl=tl, triton=triton)
+    return triton.jit(types.FunctionType(_probe_kernel.__code__, scope, _probe_kernel.__name__))
+
+
+def _safe_max(g) -> bool:
+    """The notebook's rule for ``attn_inner``: a row with no key yet exponentiates against 0, not -inf.
+
+    The course's launcher never meets such a row (top-left causal: every row sees key 0 in its first
+    tile), so this launches ``attn_inner`` in a small kernel that visits the band first. Returns False
+    when the learner's launcher has no ``attn_inner`` to test.
+    """
+    inner = getattr(g.fn, "__globals__", {}).get("attn_inner")
+    if inner is None or not hasattr(inner, "fn"):      # not a @triton.jit function
+        return False
+    BLOCK_M = BLOCK_N = D = 16
+    Nk, LO = 40, 16
+    dtype = _dtypes()[0] if not torch.cuda.is_available() else torch.float16
+    gen = torch.Generator().manual_seed(72)
+    q = _randn(gen, 2 * BLOCK_M, D, dtype=dtype)
+    k, v = _randn(gen, Nk, D, dtype=dtype), _randn(gen, Nk, D, dtype=dtype)
+    row0 = torch.tensor([-4, 8], dtype=torch.int32, device=q.device)
+    pos = torch.cat([torch.arange(-4, -4 + BLOCK_M), torch.arange(8, 8 + BLOCK_M)])          # [2 BLOCK_M]
+    vis = torch.arange(Nk)[None, :] <= pos[:, None]                                          # [2 BLOCK_M, Nk]
+    g.case = Case("a row that has seen no key yet: attn_inner over the band first (keys 16..39), then keys 0..15, "
+                  "causal, query positions -4..11 and 8..23", q, k, v,
+                  note="rows 8..15 see no key in their first tile, rows -4..-1 never see one: m_i is -inf there, "
+                       "so exp2(m_i - m_ij) and exp2(qk - m_ij) must not become exp2(-inf - (-inf)) = NaN")
+    o = torch.empty(2 * BLOCK_M, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(2 * BLOCK_M, dtype=torch.float32, device=q.device)
+    try:
+        _probe(inner)[(2,)](q, k, v, o, lse, row0, Nk, (1 / math.sqrt(D)) * lesson07.LOG2E, LO,
+                            D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    except Exception as e:  # noqa: BLE001 - the learner's attn_inner, called as the notebook's kernel calls it
+        g.fail(f"your attn_inner raised {type(e).__name__} when called on keys 16..39 before keys 0..15: {e}",
+               hint="attn_inner must work for any lo, hi (multiples of BLOCK_N) and any query rows offs_m")
+    o_ref, lse_ref = reference.attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask=vis)
+    nan = ("NaN for a row that has seen no key yet (its m_i is -inf): without a safe max, exp2(qk - m_ij) and "
+           "exp2(m_i - m_ij) are exp2(-inf - (-inf)) = NaN. Subtract 0 where m_ij is -inf: "
+           "m_safe = tl.where(m_ij == float('-inf'), 0.0, m_ij)")
+    atol = 1e-4 if dtype == torch.float32 else 2e-2
+    g.compare(lse.cpu(), lse_ref, "lse", rtol=0.0, atol=atol, nan_hint=nan,
+              hint="a row that sees no key at all has l_i = 0: lse = -inf there")
+    g.compare(o.cpu(), o_ref, "O", rtol=0.0, atol=atol, nan_hint=nan,
+              hint="a row that sees no key at all has O = 0; the others attend to keys j <= their position")
+    g.count()
+    return True
 
 
 def _fwd_idea(g, fn):
@@ -209,15 +294,15 @@ def _fwd_idea(g, fn):
         return  # the meter sees host-side torch ops; on a GPU the same code path is checked on the CPU run
     gen = torch.Generator().manual_seed(71)
     q, k, v = (_randn(gen, 1, 1, 48, 16, dtype=torch.float32) for _ in range(3))
-    g.case = Case("the work happens in the kernel (metered)", q, k, v, causal=True)
-    r = meter.measure(fn, q.clone(), k.clone(), v.clone(), names=["q", "k", "v"], causal=True)
+    r = g.measure(Case("the work happens in the kernel (metered)", q, k, v, causal=True), fn=fn,
+                  names=["q", "k", "v"])
     used = sorted(set(r.ops) & _TORCH_MATH)
     if used:
         g.fail(f"your launcher ran torch ops on the host: {', '.join('aten.' + u for u in used)}",
                hint="the scores, the softmax and P @ V all belong inside the Triton kernel (tl.dot, tl.exp2, "
                     "tl.sum): torch math around it materialises tiles in HBM, which is what FlashAttention avoids")
     if r.largest.numel >= 48 * 48:
-        g.fail(f"your launcher made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op})",
+        g.fail(f"your launcher made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by})",
                hint="an N x Nk score matrix in HBM is what FlashAttention removes: the kernel allocates only "
                     "O [B, H, N, d] and lse [B, H, N]")
 
@@ -313,8 +398,8 @@ def flash_decode_triton(g):
         gen = torch.Generator().manual_seed(78)
         q, k, v = _randn(gen, 1, 2, 16, dtype=torch.float32), *(_randn(gen, 1, 2, 64, 16, dtype=torch.float32)
                                                                  for _ in range(2))
-        g.case = Case("the work happens in the kernels (metered)", q, k, v, num_splits=4)
-        r = meter.measure(fn, q.clone(), k.clone(), v.clone(), names=["q", "k", "v"], num_splits=4)
+        r = g.measure(Case("the work happens in the kernels (metered)", q, k, v, num_splits=4), fn=fn,
+                      names=["q", "k", "v"])
         used = sorted(set(r.ops) & (_TORCH_MATH | {"sum", "mean", "amax", "max"}))
         if used:
             g.fail(f"your launcher ran torch ops on the host: {', '.join('aten.' + u for u in used)}",
