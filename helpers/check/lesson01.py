@@ -43,8 +43,8 @@ def _row_cases():
     g = _gen(1)
     cases = [
         Case("one element", torch.tensor([0.5])),
-        Case("increasing (rescale at every step)", torch.arange(6, dtype=torch.float32) * 1.5),
-        Case("decreasing (no rescale needed)", torch.arange(6, 0, -1, dtype=torch.float32)),
+        Case("increasing (rescale at every step)", torch.arange(6.0) * 1.5),
+        Case("decreasing (no rescale needed)", torch.arange(6.0, 0, -1)),
         Case("random", torch.randn(37, generator=g)),
         Case("large logits (exp overflows without the max)", torch.randn(20, generator=g) * 50 + 1000,
              note="exp(1000) is inf in float32 and float64"),
@@ -156,8 +156,8 @@ def merge_ml(g):
         out = g.call(case)
         m_got, l_got = g.expect_tuple(out, 2, "(m, l)")
         shape = case.args[0].shape
-        g.expect_tensor(m_got, "m", shape=shape, dtype=torch.float32)
-        g.expect_tensor(l_got, "l", shape=shape, dtype=torch.float32)
+        g.expect_tensor(m_got, "m", shape=shape, dtype=case.args[0].dtype)
+        g.expect_tensor(l_got, "l", shape=shape, dtype=case.args[0].dtype)
         m_ref, l_ref = reference.merge_ml(*case.args)
         both_empty = ("both statistics were -inf: exp(-inf - -inf) is NaN; use a safe max "
                       "(where m is -inf, rescale by 0 or use m_safe = where(m == -inf, 0, m))")
@@ -224,8 +224,8 @@ def blockwise_stats(g):
         x, Bc = case.args
         out = g.call(case)
         m_got, l_got = g.expect_tuple(out, 2, "(m, l)")
-        g.expect_tensor(m_got, "m", shape=(x.shape[0],), dtype=torch.float32)
-        g.expect_tensor(l_got, "l", shape=(x.shape[0],), dtype=torch.float32)
+        g.expect_tensor(m_got, "m", shape=(x.shape[0],), dtype=x.dtype)
+        g.expect_tensor(l_got, "l", shape=(x.shape[0],), dtype=x.dtype)
         m_ref, l_ref = reference.softmax_stats(x)
         g.compare(m_got, m_ref, "m", hint="m is the row max over all blocks")
         g.compare(l_got, l_ref, "l", rtol=1e-5, bugs=bugs,
@@ -265,7 +265,7 @@ def lse_from_stats(g):
     ]
     for case in _lse_cases():
         out = g.call(case)
-        lse = g.expect_tensor(out, "lse", shape=case.args[0].shape, dtype=torch.float32)
+        lse = g.expect_tensor(out, "lse", shape=case.args[0].shape, dtype=case.args[0].dtype)
         g.compare(lse, reference.lse_from_stats(*case.args), "lse", rtol=1e-6, bugs=bugs,
                   hint="log(exp(m) * l) overflows for large m: use m + log(l)")
         g.count()

@@ -46,7 +46,7 @@ def attention_cases():
     # the max moves at every KV block: scores grow with the key index, so every step rescales
     N, Nk, d = 6, 12, 4
     q = torch.rand(N, d, generator=g) + 0.5
-    k = (torch.arange(Nk, dtype=torch.float32)[:, None] * 0.9).expand(Nk, d).contiguous()
+    k = (torch.arange(float(Nk))[:, None] * 0.9).expand(Nk, d).contiguous()
     v = torch.randn(Nk, d, generator=g)
     cases.append(Case("the max grows at every KV block (alpha < 1 at each step)", q, k, v, Br=4, Bc=3,
                       note="scores rise with the key index, so each new block holds a larger max"))
@@ -171,7 +171,7 @@ def flash_attn_v1(g):
     for case in attention_cases():
         q, k, v = case.args
         out = g.call(case)
-        O = g.expect_tensor(out, "O", shape=(q.shape[0], v.shape[1]), dtype=torch.float32)
+        O = g.expect_tensor(out, "O", shape=(q.shape[0], v.shape[1]), dtype=q.dtype)
         O_ref, _ = reference.attention(q, k, v)
         g.compare(O, O_ref, "O", rtol=RTOL, atol=ATOL, bugs=bugs,
                   nan_hint="NaN in O: the first step has m_old = -inf and l_old = 0; exp(m_old - m_new) is 0 "
@@ -182,7 +182,7 @@ def flash_attn_v1(g):
     case = idea_case()
     r = measure_case(g, case)
     check_tiles_only(g, r, case)
-    k_bytes = IDEA_NK * IDEA_D * 4
+    k_bytes = IDEA_NK * IDEA_D * case.args[1].element_size()
     for name in ("k", "v"):
         got = r.reads.get(name, 0)
         if got > k_bytes:

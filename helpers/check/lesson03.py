@@ -51,8 +51,8 @@ def flash_attn_v2(g):
         N = q.shape[0]
         out = g.call(case)
         O, lse = g.expect_tuple(out, 2, "(O, lse)")
-        g.expect_tensor(O, "O", shape=(N, v.shape[1]), dtype=torch.float32)
-        g.expect_tensor(lse, "lse", shape=(N,), dtype=torch.float32)
+        g.expect_tensor(O, "O", shape=(N, v.shape[1]), dtype=q.dtype)
+        g.expect_tensor(lse, "lse", shape=(N,), dtype=q.dtype)
         O_ref, lse_ref = reference.attention(q, k, v)
         g.compare(O, O_ref, "O", rtol=RTOL, atol=ATOL, bugs=bugs_o,
                   nan_hint="NaN in O: at the first KV block m_old = -inf; take m_new from the tile before "
@@ -67,13 +67,14 @@ def flash_attn_v2(g):
     case = idea_case()
     r = measure_case(g, case)
     check_tiles_only(g, r, case)
-    q_bytes = o_bytes = IDEA_N * IDEA_D * 4
+    esize = case.args[0].element_size()
+    q_bytes = o_bytes = IDEA_N * IDEA_D * esize
     n_kv = math.ceil(case.args[1].shape[0] / IDEA_BC)
     read_q = r.reads.get("q", 0)
     written_o = r.writes.get("out0", 0)
     # everything written except lse (and at most an m and an l of N each): O once
     written_rest = r.hbm_write_bytes - r.writes.get("out1", 0)
-    o_times = max(written_o, written_rest - 2 * IDEA_N * 4) / o_bytes
+    o_times = max(written_o, written_rest - 2 * IDEA_N * esize) / o_bytes
     q_times = read_q / q_bytes
     if q_times > 1 and o_times > 1:
         g.fail(f"q was read {q_times:g} times from HBM and O written {o_times:g} times ({n_kv} KV blocks); "

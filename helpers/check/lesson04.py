@@ -281,8 +281,8 @@ def flash_attn_causal(g):
         N, dv = q.shape[0], v.shape[1]
         out = g.call(case)
         O, lse = g.expect_tuple(out, 2, "(O, lse)")
-        g.expect_tensor(O, "O", shape=(N, dv), dtype=torch.float32)
-        g.expect_tensor(lse, "lse", shape=(N,), dtype=torch.float32)
+        g.expect_tensor(O, "O", shape=(N, dv), dtype=q.dtype)
+        g.expect_tensor(lse, "lse", shape=(N,), dtype=q.dtype)
         O_ref, lse_ref = reference.attention(q, k, v, mask=_vis(case))
         g.compare(O, O_ref, "O", rtol=1e-4, atol=1e-5, bugs=bugs_o, nan_hint=_NAN,
                   hint="compare one row by hand: which keys should query i see under this alignment?")

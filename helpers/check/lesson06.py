@@ -59,12 +59,13 @@ def _combine64(o_parts, lse_parts):
 
 # ------------------------------------------------------------------ combine_splits
 def _split_case(name, H, Nk, d, S, seed, scale=1.0, note=""):
-    """Partials of real attention over S splits of a cache (float32), so the answer is attention."""
+    """Partials of real attention over S splits of a cache (default dtype), so the answer is attention."""
     g = _gen(seed)
     q = torch.randn(H, d, generator=g) * scale
     k, v = torch.randn(H, Nk, d, generator=g), torch.randn(H, Nk, d, generator=g)
     o64, lse64 = _partials64(q, k, v, split_bounds(Nk, S))
-    c = Case(name, o64.float(), lse64.float(), note=note)
+    dt = torch.get_default_dtype()
+    c = Case(name, o64.to(dt), lse64.to(dt), note=note)
     c.want = _ref_decode(q, k, v)
     return c
 
@@ -163,8 +164,8 @@ def combine_splits(g):
         S, H, d = o_parts.shape
         out = g.call(case)
         O, lse = g.expect_tuple(out, 2, "(O, lse)")
-        g.expect_tensor(O, "O", shape=(H, d), dtype=torch.float32)
-        g.expect_tensor(lse, "lse", shape=(H,), dtype=torch.float32)
+        g.expect_tensor(O, "O", shape=(H, d), dtype=o_parts.dtype)
+        g.expect_tensor(lse, "lse", shape=(H,), dtype=o_parts.dtype)
         o_ref, lse_ref = getattr(case, "want", None) or _combine64(o_parts, lse_parts)
         nan_hint = _combine_nan_hint(case)
         g.compare(lse, lse_ref, "lse", rtol=1e-5, atol=1e-5, bugs=lse_bugs, nan_hint=nan_hint,
@@ -254,8 +255,8 @@ def flash_decode(g):
         H, d = q.shape
         out = g.call(case)
         O, lse = g.expect_tuple(out, 2, "(O, lse)")
-        g.expect_tensor(O, "O", shape=(H, d), dtype=torch.float32)
-        g.expect_tensor(lse, "lse", shape=(H,), dtype=torch.float32)
+        g.expect_tensor(O, "O", shape=(H, d), dtype=q.dtype)
+        g.expect_tensor(lse, "lse", shape=(H,), dtype=q.dtype)
         o_ref, lse_ref = _ref_decode(q, k, v)
         g.compare(O, o_ref, "O", rtol=1e-4, atol=1e-5, bugs=o_bugs, nan_hint=_EMPTY_SPLIT_NAN,
                   hint="each split: softmax(q k_s^T * qk_scale) v_s with its lse_s; then combine_splits")
@@ -374,8 +375,8 @@ def flash_decode_paged(g):
         H, d = q.shape
         out = g.call(case)
         O, lse = g.expect_tuple(out, 2, "(O, lse)")
-        g.expect_tensor(O, "O", shape=(H, d), dtype=torch.float32)
-        g.expect_tensor(lse, "lse", shape=(H,), dtype=torch.float32)
+        g.expect_tensor(O, "O", shape=(H, d), dtype=q.dtype)
+        g.expect_tensor(lse, "lse", shape=(H,), dtype=q.dtype)
         o_ref, lse_ref = _ref_decode(q, *case.contiguous)
         g.compare(O, o_ref, "O", rtol=1e-4, atol=1e-5, bugs=o_bugs, nan_hint=_EMPTY_SPLIT_NAN,
                   hint="the same answer as flash_decode on the contiguous cache: logical page p of the "
