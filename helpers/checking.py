@@ -327,8 +327,11 @@ class Grader:
         raise CheckFailure("\n".join(lines))
 
     # ----------------------------------------------------------------- calling
-    def call(self, case: Case, fn=None):
-        """Call the learner's function on copies of the case's inputs; return its output."""
+    def call(self, case: Case, fn=None, error_hint: str = ""):
+        """Call the learner's function on copies of the case's inputs; return its output.
+
+        ``error_hint``: the hint if the function raises on this case (else one is guessed from the error).
+        """
         self.case = case
         fn = fn or self.fn
         args, kwargs = _clone(case.args), _clone(case.kwargs)
@@ -349,7 +352,7 @@ class Grader:
         except Exception as e:  # noqa: BLE001 - any error in learner code becomes a verdict
             where = _where_in_learner_code(e.__traceback__)
             self.fail(f"your function raised {type(e).__name__}: {e}{where}",
-                      hint=_hint_for_exception(e))
+                      hint=error_hint or _hint_for_exception(e))
         self.returned += 1
         changed = [(i, before, after) for i, (before, after) in enumerate(zip(case.args, args))]
         changed += [(k, case.kwargs[k], kwargs[k]) for k in case.kwargs]

@@ -202,6 +202,7 @@ def _blockwise_ref_dropping_last(c):
 
 
 def _blockwise_no_rescale(c):
+    """Each block's l (against its own max) added as it is."""
     x, Bc = c.args
     l = torch.zeros(x.shape[0], dtype=torch.float64)
     m = torch.full((x.shape[0],), NEG_INF, dtype=torch.float64)
@@ -212,6 +213,20 @@ def _blockwise_no_rescale(c):
     return l
 
 
+def _blockwise_old_l_not_rescaled(c):
+    """The block summed against the new max, but the running l never multiplied by exp(m_old - m_new)."""
+    x, Bc = c.args
+    x = x.double()
+    l = torch.zeros(x.shape[0], dtype=torch.float64)
+    m = torch.full((x.shape[0],), NEG_INF, dtype=torch.float64)
+    for j in range(0, x.shape[1], Bc):
+        block = x[:, j:j + Bc]                                           # [R, <=Bc]
+        m = torch.maximum(m, block.amax(1))
+        m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        l = l + torch.exp(block - m_safe[:, None]).sum(1)
+    return l
+
+
 @exercise("blockwise_stats", arg_names=["x", "Bc"], reference="torch.logsumexp")
 def blockwise_stats(g):
     bugs = [
@@ -219,6 +234,9 @@ def blockwise_stats(g):
             _blockwise_ref_dropping_last),
         Bug("each block's l was added as it is: rescale the running l and the block's l to the new max "
             "(that is merge_ml)", _blockwise_no_rescale),
+        Bug("the running l was not rescaled when the max grew: the block is summed against the new max, but "
+            "the old l was summed against the old one; multiply it by exp(m_old - m_new) first "
+            "(merge_ml does both)", _blockwise_old_l_not_rescaled),
     ]
     for case in _block_cases():
         x, Bc = case.args
@@ -259,13 +277,20 @@ def _lse_cases():
 def lse_from_stats(g):
     bugs = [
         Bug("that is the row max m, not the LSE: lse = m + log(l)", lambda c: c.args[0]),
-        Bug("that is log2: the course's lse is the natural log, m + ln(l)",
+        Bug("that is m + log2(l): the course's lse is the natural log, lse = m + torch.log(l) "
+            "(m is already in natural-log units: it is a max of the x_i)",
+            lambda c: c.args[0].double() + torch.log2(c.args[1].double())),
+        Bug("that is log2 of the sum: the course's lse is the natural log, m + ln(l)",
             lambda c: (c.args[0].double() + torch.log(c.args[1].double())) / math.log(2)),
         Bug("that is log(l) alone: add m back, lse = m + log(l)", lambda c: torch.log(c.args[1].double())),
+        Bug("that is m + l: the LSE adds the log of l, lse = m + log(l)",
+            lambda c: c.args[0].double() + c.args[1].double()),
     ]
     for case in _lse_cases():
         out = g.call(case)
         lse = g.expect_tensor(out, "lse", shape=case.args[0].shape, dtype=case.args[0].dtype)
+        large = "large" in case.name
         g.compare(lse, reference.lse_from_stats(*case.args), "lse", rtol=1e-6, bugs=bugs,
-                  hint="log(exp(m) * l) overflows for large m: use m + log(l)")
+                  hint="log(exp(m) * l) overflows for large m: use m + log(l)" if large else
+                       "lse = m + log(l), natural log, elementwise")
         g.count()
