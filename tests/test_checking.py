@@ -234,3 +234,20 @@ def test_a_fast_function_is_not_disturbed_by_the_limit():
 def test_reduction_over_an_empty_slice_is_named():
     hint = checking._hint_for_exception(IndexError("amax(): Expected reduction dim 1 to have non-zero size."))
     assert "empty slice" in hint and "ragged" not in hint
+
+
+def test_one_name_for_using_the_learners_function():
+    """Every cell after an exercise picks the learner's function through yours_or_reference, and only that."""
+    import importlib
+    import re
+    old = re.compile(r"\b(attempted|works|try_run|ready|implemented)\(")
+    used = 0
+    for path in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code":
+                assert not old.search(cell.source), f"{path.name}: {old.search(cell.source).group(0)}"
+                used += "yours_or_reference(" in cell.source
+    assert used >= 8
+    for mod in ("lesson02", "lesson06", "lesson07"):
+        m = importlib.import_module(f"helpers.{mod}")
+        assert not {"works", "try_run", "ready"} & set(vars(m)), mod

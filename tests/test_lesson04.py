@@ -267,3 +267,9 @@ def test_partial_mask_in_local_indices_is_named():
 def test_partial_mask_written_here_passes(strict, capsys):
     check.flash_attn_causal(_causal_with_partial_mask(lambda rows, cols, off, i0, j0: cols > rows + off))
     assert "✅ flash_attn_causal" in capsys.readouterr().out
+
+
+def test_course_reference_kernel_passes_the_checker(strict, capsys):
+    """The reference the notebook falls back on (yours_or_reference) is itself a right answer."""
+    check.flash_attn_causal(lesson04.flash_attn_causal_ref)
+    assert "✅ flash_attn_causal" in capsys.readouterr().out

@@ -120,6 +120,22 @@ def _fwd_bugs():
     ]
     bugs += [Bug("the ragged last tile's padding was scored as keys: mask the scores of keys >= Nk to -inf "
                  "(tl.where(cols < Nk, qk, -inf)) in the masked loop", sim("no_key_mask", bn)) for bn in _BLOCK_NS]
+
+    def causal_shift(s):
+        def model(c):
+            if not c.kwargs.get("causal", False):
+                raise ValueError("not causal")
+            q, k, v = c.args
+            N, Nk = q.shape[-2], k.shape[-2]
+            vis = torch.arange(Nk)[None, :] <= torch.arange(N)[:, None] + s            # [N, Nk]
+            return reference.attention(q.cpu(), k.cpu(), v.cpu(), mask=vis, scale=c.kwargs.get("sm_scale"))[0]
+        return model
+    bugs += [
+        Bug("the causal mask is off by one: it hides the diagonal; query i sees keys j <= i "
+            "(tl.where(cols[None, :] <= offs_m[:, None], ...)), not j < i", causal_shift(-1)),
+        Bug("the causal mask is off by one: it lets query i see key i + 1; query i sees keys j <= i",
+            causal_shift(1)),
+    ]
     return bugs
 
 
@@ -166,8 +182,7 @@ def _check_fwd_out(g, out, q, k, v, causal, sm_scale, bugs, sdpa_args=None):
     o_ref, lse_ref = lesson07.reference_bhnd(q.cpu(), k.cpu(), v.cpu(), causal, sm_scale)
     atol, sdpa = _bound(o_ref, q, k, v, q.dtype, causal, sm_scale, sdpa_args)
     g.compare(o, o_ref, "O", rtol=0.0, atol=atol, bugs=bugs,
-              hint=f"the error is over the bound ({atol:.2g} = 2 x SDPA's own error {sdpa:.2g} + rounding): "
-                   "check the online softmax update (m_i, alpha, l_i, acc) and the masks",
+              hint=_over_bound_hint(o, o_ref, atol, sdpa, causal),
               nan_hint="NaN: either a load read past the end of K or V (mask the ragged last tile's loads: "
                        "mask=cols[:, None] < Nk, other=0.0) or exp2(-inf - -inf) for a row with no key yet "
                        "(subtract 0 where m_ij is -inf)")
@@ -175,6 +190,22 @@ def _check_fwd_out(g, out, q, k, v, causal, sm_scale, bugs, sdpa_args=None):
               bugs=[Bug("that lse is in base 2: multiply by ln 2 (lse = (m_i + log2(l_i)) * ln 2)",
                         lambda c: lse_ref / lesson07.LN2)],
               hint="lse = (m_i + log2(l_i)) * ln(2): m_i and l_i are in base 2 (exp2 with log2(e) in qk_scale)")
+
+
+def _over_bound_hint(o, o_ref, atol, sdpa, causal):
+    """Say what an error over the bound is: rounding (a little over) or a wrong answer (far over)."""
+    if not isinstance(o, torch.Tensor) or o.shape != o_ref.shape:
+        return ""
+    err = (o.detach().double().cpu() - o_ref).abs().nan_to_num(0.0)
+    worst = err.max().item()
+    if worst <= 10 * atol:
+        return (f"a little over the bound ({worst:.2g} against {atol:.2g} = 2 x SDPA's own error {sdpa:.2g} + "
+                "rounding): rounding, not logic. Keep m_i, l_i and acc in float32 and cast only the stored O")
+    rows = int((err.amax(-1) > atol).sum())
+    where = (" Which rows are wrong tells which: only rows near the diagonal point at the causal mask "
+             "(query i sees keys j <= i)" if causal else "")
+    return (f"the error is {worst:.3g}, {worst / atol:.0f} x the bound ({atol:.2g}): not rounding, a wrong answer "
+            f"({rows} rows over it). Check the online softmax update (m_i, alpha, l_i, acc) and the masks.{where}")
 
 
 @exercise("flash_attn_triton", arg_names=["q", "k", "v"], reference="float64 SDPA (error <= 2 x SDPA's own + "
