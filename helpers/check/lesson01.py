@@ -10,12 +10,9 @@ import torch
 
 from .. import meter, reference
 from ..checking import Bug, Case, exercise
+from ._common import NEG_INF, gen
 
-NEG_INF = -math.inf
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+_gen = gen
 
 
 # ------------------------------------------------------------------ shared bug models
@@ -40,21 +37,21 @@ def _stats_inverted_rescale(x):
 
 # ------------------------------------------------------------------ online_softmax_stats
 def _row_cases():
-    g = _gen(1)
+    rng = _gen(1)
     cases = [
         Case("one element", torch.tensor([0.5])),
         Case("increasing (rescale at every step)", torch.arange(6.0) * 1.5),
         Case("decreasing (no rescale needed)", torch.arange(6.0, 0, -1)),
-        Case("random", torch.randn(37, generator=g)),
-        Case("large logits (exp overflows without the max)", torch.randn(20, generator=g) * 50 + 1000,
+        Case("random", torch.randn(37, generator=rng)),
+        Case("large logits (exp overflows without the max)", torch.randn(20, generator=rng) * 50 + 1000,
              note="exp(1000) is inf in float32 and float64"),
-        Case("very negative logits (exp underflows without the max)", torch.randn(9, generator=g) - 2000),
+        Case("very negative logits (exp underflows without the max)", torch.randn(9, generator=rng) - 2000),
         Case("-inf first (a masked key before any real one)", torch.tensor([NEG_INF, NEG_INF, 1.0, 2.0])),
         Case("-inf last", torch.tensor([3.0, 1.0, NEG_INF])),
         Case("all -inf (a fully masked row)", torch.full((5,), NEG_INF)),
         Case("ties", torch.tensor([2.0, 2.0, 2.0, 2.0])),
     ]
-    cases += [Case(f"random, n={n}", torch.randn(n, generator=g) * 4) for n in (2, 3, 64, 129)]
+    cases += [Case(f"random, n={n}", torch.randn(n, generator=rng) * 4) for n in (2, 3, 64, 129)]
     return cases
 
 
@@ -108,10 +105,10 @@ def _one_pass(g):
 
 # ------------------------------------------------------------------ merge_ml
 def _merge_cases():
-    g = _gen(3)
+    rng = _gen(3)
     n = 64
-    m1, m2 = torch.randn(n, generator=g) * 3, torch.randn(n, generator=g) * 3
-    l1, l2 = torch.rand(n, generator=g) * 5 + 1, torch.rand(n, generator=g) * 5 + 1
+    m1, m2 = torch.randn(n, generator=rng) * 3, torch.randn(n, generator=rng) * 3
+    l1, l2 = torch.rand(n, generator=rng) * 5 + 1, torch.rand(n, generator=rng) * 5 + 1
     t = torch.tensor
     return [
         Case("random", m1, l1, m2, l2),
@@ -172,8 +169,8 @@ def merge_ml(g):
 
 # ------------------------------------------------------------------ blockwise_stats
 def _block_cases():
-    g = _gen(4)
-    x = torch.randn(5, 23, generator=g) * 3
+    rng = _gen(4)
+    x = torch.randn(5, 23, generator=rng) * 3
     holes = x.clone()
     holes[1, :7] = NEG_INF       # the first blocks of row 1 are empty
     holes[3, :] = NEG_INF        # row 3 is fully masked
@@ -188,7 +185,7 @@ def _block_cases():
         Case("empty blocks and a fully masked row", holes, 3,
              note="row 3 is all -inf; rows 1 and 4 have blocks that are all -inf"),
         Case("large logits", x * 40 + 2000, 6),
-        Case("random, wide", torch.randn(3, 200, generator=g), 16),
+        Case("random, wide", torch.randn(3, 200, generator=rng), 16),
     ]
 
 
@@ -263,10 +260,10 @@ def blockwise_stats(g):
 
 # ------------------------------------------------------------------ lse_from_stats
 def _lse_cases():
-    g = _gen(6)
+    rng = _gen(6)
     t = torch.tensor
     return [
-        Case("random", torch.randn(16, generator=g), torch.rand(16, generator=g) * 10 + 1),
+        Case("random", torch.randn(16, generator=rng), torch.rand(16, generator=rng) * 10 + 1),
         Case("l = 1 (one dominant element)", t([0.0, 3.0, -2.0]), t([1.0, 1.0, 1.0])),
         Case("empty rows (-inf, 0)", t([NEG_INF, 2.0, NEG_INF]), t([0.0, 3.0, 0.0])),
         Case("large m (exp(m) overflows)", t([1e4, 5e3, -1e4]), t([2.0, 7.0, 1.5])),

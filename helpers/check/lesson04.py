@@ -16,59 +16,15 @@ from torch.utils._pytree import tree_flatten
 from .. import meter, reference
 from ..checking import Bug, Case, exercise
 from ..lesson04 import CLASSES, visible_tile_flops
+from ._common import NEG_INF, check_o_lse, gen, masked_tiled_model, qkv, tiles  # noqa: F401 - NEG_INF re-exported
 
-NEG_INF = -math.inf
 ALIGNS = ("top_left", "bottom_right")
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+tiled_model = masked_tiled_model      # the name lesson 04's tests use
+_gen = gen
 
 
 def _other(align):
     return "bottom_right" if align == "top_left" else "top_left"
-
-
-# ------------------------------------------------------------------ a tiled model, with knobs for bugs
-def tiled_model(q, k, v, vis, Br, Bc, *, computed=None, applied=None, fill=NEG_INF, partial_mask=None):
-    """What a tiled kernel outputs, in float64: (O, lse).
-
-    ``vis`` bool [N, Nk] is the truth; for each tile, ``computed(tile_vis)`` says whether the
-    kernel computes it (default: it has a visible key) and ``applied(tile_vis)`` is the mask
-    it applies (default: the truth), with masked scores set to ``fill``. ``partial_mask(i0, j0,
-    br, bc)``, if given, is the mask a kernel builds for a tile that is partial (some, not all,
-    of its keys visible); full tiles then get no mask. A row with no finite score left gets
-    O = 0, lse = -inf, as the course's convention says.
-    """
-    computed = computed or (lambda t: bool(t.any()))
-    applied = applied or (lambda t: t)
-    q, k, v = q.double(), k.double(), v.double()
-    N, d = q.shape
-    Nk = k.shape[0]
-    scale = 1.0 / math.sqrt(d)
-    O = torch.zeros(N, v.shape[1], dtype=torch.float64)
-    lse = torch.full((N,), NEG_INF, dtype=torch.float64)
-    for i0 in range(0, N, Br):
-        s_parts, v_parts = [], []
-        for j0 in range(0, Nk, Bc):
-            tv = vis[i0:i0 + Br, j0:j0 + Bc]
-            if not computed(tv):
-                continue
-            s = q[i0:i0 + Br] @ k[j0:j0 + Bc].T * scale
-            if partial_mask is not None:
-                keep = torch.ones_like(tv) if tv.all() else partial_mask(i0, j0, *tv.shape)
-            else:
-                keep = applied(tv)
-            s_parts.append(s.masked_fill(~keep, fill))
-            v_parts.append(v[j0:j0 + Bc])
-        if not s_parts:
-            continue
-        S, V = torch.cat(s_parts, 1), torch.cat(v_parts, 0)
-        row_lse = torch.logsumexp(S, 1)
-        P = torch.where(torch.isneginf(row_lse)[:, None], torch.zeros_like(S), torch.exp(S - row_lse[:, None]))
-        O[i0:i0 + Br] = P @ V
-        lse[i0:i0 + Br] = row_lse
-    return O, lse
 
 
 # ------------------------------------------------------------------ classify_tile
@@ -201,26 +157,21 @@ def classify_tile(g):
 
 # ------------------------------------------------------------------ flash_attn_causal
 def _causal_cases():
-    g = _gen(40)
-
-    def qkv(N, Nk, d, qmul=1.0):
-        return (torch.randn(N, d, generator=g) * qmul, torch.randn(Nk, d, generator=g),
-                torch.randn(Nk, d, generator=g))
-
+    rng = gen(40)
     cases = []
     for align in ALIGNS:
         cases += [
-            Case(f"{align}, square, ragged tiles", *qkv(11, 11, 8), Br=4, Bc=3, align=align),
-            Case(f"{align}, Nk > N (prefill with a KV cache)", *qkv(7, 19, 8), Br=4, Bc=3, align=align),
-            Case(f"{align}, N > Nk", *qkv(13, 6, 8), Br=4, Bc=3, align=align,
+            Case(f"{align}, square, ragged tiles", *qkv(11, 11, 8, rng), Br=4, Bc=3, align=align),
+            Case(f"{align}, Nk > N (prefill with a KV cache)", *qkv(7, 19, 8, rng), Br=4, Bc=3, align=align),
+            Case(f"{align}, N > Nk", *qkv(13, 6, 8, rng), Br=4, Bc=3, align=align,
                  note="bottom-right: the first N - Nk = 7 rows see no key, so O = 0 and lse = -inf there"
                  if align == "bottom_right" else ""),
-            Case(f"{align}, N = 1", *qkv(1, 9, 8), Br=4, Bc=3, align=align),
-            Case(f"{align}, d = 5, Br != Bc", *qkv(17, 23, 5), Br=5, Bc=2, align=align),
-            Case(f"{align}, tiles larger than the input", *qkv(6, 9, 8), Br=16, Bc=16, align=align),
-            Case(f"{align}, 1 x 1 tiles", *qkv(5, 7, 4), Br=1, Bc=1, align=align),
-            Case(f"{align}, large logits (q * 30)", *qkv(12, 16, 8, qmul=30.0), Br=4, Bc=3, align=align),
-            Case(f"{align}, default tiles", *qkv(20, 26, 16), align=align),
+            Case(f"{align}, N = 1", *qkv(1, 9, 8, rng), Br=4, Bc=3, align=align),
+            Case(f"{align}, d = 5, Br != Bc", *qkv(17, 23, 5, rng), Br=5, Bc=2, align=align),
+            Case(f"{align}, tiles larger than the input", *qkv(6, 9, 8, rng), Br=16, Bc=16, align=align),
+            Case(f"{align}, 1 x 1 tiles", *qkv(5, 7, 4, rng), Br=1, Bc=1, align=align),
+            Case(f"{align}, large logits (q * 30)", *qkv(12, 16, 8, rng, qmul=30.0), Br=4, Bc=3, align=align),
+            Case(f"{align}, default tiles", *qkv(20, 26, 16, rng), align=align),
         ]
     return cases
 
@@ -230,17 +181,13 @@ def _vis(case):
     return reference.causal_mask(q.shape[0], k.shape[0], case.kwargs.get("align", "top_left"))
 
 
-def _tiles(case):
-    return case.kwargs.get("Br", 4), case.kwargs.get("Bc", 3)
-
-
 def _causal_models(which):
     """Bug models of flash_attn_causal for output ``which`` (0: O, 1: lse)."""
     def ref_with(vis_fn):
         return lambda c: reference.attention(*c.args, mask=vis_fn(c))[which]
 
     def tiled(**kw):
-        return lambda c: tiled_model(*c.args, _vis(c), *_tiles(c), **kw)[which]
+        return lambda c: tiled_model(*c.args, _vis(c), *tiles(c), **kw)[which]
 
     def shifted(s):
         def vis(c):
@@ -264,7 +211,7 @@ def _causal_models(which):
             def mask(i0, j0, br, bc):
                 r0, c0 = (0, 0) if local else (i0, j0)
                 return torch.arange(c0, c0 + bc)[None, :] <= torch.arange(r0, r0 + br)[:, None] + off
-            return tiled_model(*c.args, _vis(c), *_tiles(c), partial_mask=mask)[which]
+            return tiled_model(*c.args, _vis(c), *tiles(c), partial_mask=mask)[which]
         return model
 
     return [
@@ -361,15 +308,10 @@ def flash_attn_causal(g):
     bugs_o, bugs_lse = _causal_models(0), _causal_models(1)
     for case in _causal_cases():
         q, k, v = case.args
-        N, dv = q.shape[0], v.shape[1]
         out = g.call(case)
-        O, lse = g.expect_tuple(out, 2, "(O, lse)")
-        g.expect_tensor(O, "O", shape=(N, dv), dtype=q.dtype)
-        g.expect_tensor(lse, "lse", shape=(N,), dtype=q.dtype)
-        O_ref, lse_ref = reference.attention(q, k, v, mask=_vis(case))
-        g.compare(O, O_ref, "O", rtol=1e-4, atol=1e-5, bugs=bugs_o, nan_hint=_NAN,
-                  hint="compare one row by hand: which keys should query i see under this alignment?")
-        g.compare(lse, lse_ref, "lse", rtol=1e-5, atol=1e-4, bugs=bugs_lse, nan_hint=_NAN,
-                  hint="lse = m + log(l) over the visible keys of the row; -inf when there are none")
+        check_o_lse(g, out, reference.attention(q, k, v, mask=_vis(case)), dtype=q.dtype,
+                    o_bugs=bugs_o, lse_bugs=bugs_lse, nan_hint=_NAN,
+                    o_hint="compare one row by hand: which keys should query i see under this alignment?",
+                    lse_hint="lse = m + log(l) over the visible keys of the row; -inf when there are none")
         g.count()
     _idea(g)

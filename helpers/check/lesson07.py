@@ -141,10 +141,10 @@ def _fwd_bugs():
 
 # ------------------------------------------------------------------ flash_attn_triton
 def _fwd_cases():
-    g = torch.Generator().manual_seed(7)
+    rng = torch.Generator().manual_seed(7)
     f32, f16 = _dtypes()
-    mk = lambda B, H, N, Nk, d, dt, s=1.0: (_randn(g, B, H, N, d, dtype=dt, scale=s),   # noqa: E731
-                                            _randn(g, B, H, Nk, d, dtype=dt), _randn(g, B, H, Nk, d, dtype=dt))
+    mk = lambda B, H, N, Nk, d, dt, s=1.0: (_randn(rng, B, H, N, d, dtype=dt, scale=s),   # noqa: E731
+                                            _randn(rng, B, H, Nk, d, dtype=dt), _randn(rng, B, H, Nk, d, dtype=dt))
     return [
         Case("whole tiles, N = Nk = 32", *mk(1, 2, 32, 32, 32, f32)),
         Case("ragged: N = Nk = 40 (not a multiple of the tile)", *mk(1, 2, 40, 40, 16, f32)),
@@ -301,10 +301,10 @@ def _decode_bugs():
 
 
 def _decode_cases():
-    g = torch.Generator().manual_seed(77)
+    rng = torch.Generator().manual_seed(77)
     f32, f16 = _dtypes()
-    mk = lambda B, H, Hkv, Nk, d, dt, s=1.0: (_randn(g, B, H, d, dtype=dt, scale=s),   # noqa: E731
-                                              _randn(g, B, Hkv, Nk, d, dtype=dt), _randn(g, B, Hkv, Nk, d, dtype=dt))
+    mk = lambda B, H, Hkv, Nk, d, dt, s=1.0: (_randn(rng, B, H, d, dtype=dt, scale=s),   # noqa: E731
+                                              _randn(rng, B, Hkv, Nk, d, dtype=dt), _randn(rng, B, Hkv, Nk, d, dtype=dt))
     return [
         Case("MHA, Nk = 64, 4 splits", *mk(2, 2, 2, 64, 32, f32), num_splits=4),
         Case("GQA: H = 4 query heads on Hkv = 2 KV heads, ragged Nk = 37", *mk(1, 4, 2, 37, 16, f32), num_splits=3),
