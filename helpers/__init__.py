@@ -6,14 +6,15 @@ Every notebook starts with ``from helpers import check, meter``:
 - ``helpers.meter``: measures one call of a function (FLOPs, the largest tensor it
   made, bytes moved to and from "HBM") with ``TorchDispatchMode``.
 - ``helpers.reference``: the float64 references (SDPA, ``torch.logsumexp``).
-- ``helpers.plots`` / ``helpers.widgets``: figures and ipywidgets explorers.
+- ``helpers.widgets``: ipywidgets explorers; each lesson's figures are in ``helpers.lessonNN``.
+- ``helpers.checking``: the grading framework behind ``helpers.check``.
 
 This file imports nothing heavy, so ``helpers.triton_attention`` can be used on a GPU
 machine that has only torch and triton.
 """
 import importlib
 
-__all__ = ["check", "meter", "reference", "plots", "widgets", "checking"]
+__all__ = ["check", "meter", "reference", "widgets", "checking"]
 
 
 def __getattr__(name):  # lazy submodules: `helpers.check` imports on first use

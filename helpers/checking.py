@@ -11,23 +11,45 @@ learner sees is one line:
     ❌ merge_ml: case 'both sides empty' ... (a CheckFailure, an AssertionError)
 
 ``COURSE_STRICT=1`` turns "not attempted" into a failure (``make check`` runs the
-worked solutions that way). In IPython a ``CheckFailure`` is shown as its message
-alone, without a traceback through this package. With ``COURSE_GRADE_LOG`` set, each
-verdict is also appended to that file as a JSON line (``make grade`` reads it).
+worked solutions that way). With ``COURSE_GRADE_LOG`` set, each verdict is also
+appended to that file as a JSON line (``make grade`` reads it).
+
+What a ❌ does depends on where the check runs:
+
+- in a notebook (an IPython kernel) without ``COURSE_STRICT=1``: the verdict is printed
+  and the notebook goes on, so "Run All" reaches the end of a learner's notebook;
+- everywhere else (scripts, pytest) and in strict mode: a ``CheckFailure`` (an
+  ``AssertionError``) is raised; in IPython it is shown as its message alone, without a
+  traceback through this package.
+
+Cells after an exercise call ``yours_or_reference(fn, reference)``: the learner's function
+once its check passed in this session (the same function object), else the course's
+reference; it prints which.
+
+Each call of the learner's function made by a checker has a time limit
+(``COURSE_CASE_TIMEOUT`` seconds, default 60; ``0`` turns it off): a function still running
+then gets ❌ for that case instead of a notebook that hangs. The mechanism works the same
+on Linux, macOS and Windows (no signals): a timer thread raises ``CaseTimeout`` in the
+calling thread with CPython's ``PyThreadState_SetAsyncExc``. The exception arrives at the
+next Python bytecode, so Python loops stop at once, while a single long C call (one huge
+torch op, ``time.sleep``) runs to its end first.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import math
 import os
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-__all__ = ["CheckFailure", "Case", "Grader", "exercise", "REGISTRY", "strict", "Bug", "attempted"]
+__all__ = ["CheckFailure", "CaseTimeout", "Case", "Grader", "exercise", "REGISTRY", "strict", "Bug",
+           "yours_or_reference", "passed", "case_timeout", "call_with_limit", "attempted"]
 
 _HERE = Path(__file__).resolve().parent
 REGISTRY: dict = {}
@@ -41,15 +63,71 @@ class _NotAttempted(Exception):
     pass
 
 
+class CaseTimeout(BaseException):
+    """Raised inside a learner's function that ran past ``COURSE_CASE_TIMEOUT`` seconds.
+
+    A ``BaseException``, so a learner's ``except Exception:`` does not swallow it.
+    """
+
+
 def strict() -> bool:
     return os.environ.get("COURSE_STRICT", "") == "1"
 
 
-def attempted(fn, *example_args, **example_kwargs) -> bool:
-    """True when ``fn`` runs on the example input; False while it is the stub or raises.
+def _in_notebook() -> bool:
+    """True inside a Jupyter kernel (ipykernel), where a ❌ is printed instead of raised."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
 
-    Notebooks use it to draw a picture from the learner's function once it works,
-    and from the reference until then (saying so).
+
+def raises_on_fail() -> bool:
+    """Whether a ❌ raises ``CheckFailure`` (strict mode, or outside a notebook) or is printed."""
+    return strict() or not _in_notebook()
+
+
+# ------------------------------------------------------------------ verdicts of this session
+_VERDICTS: dict = {}     # id(fn) -> (fn, exercise name, "pass" | "fail" | "todo"): the last check of fn
+
+
+def _remember(fn, name: str, status: str) -> None:
+    _VERDICTS[id(fn)] = (fn, name, status)   # fn is kept alive, so its id is not reused
+
+
+def passed(fn) -> bool:
+    """True when the last check run on this very function object (in this session) passed."""
+    entry = _VERDICTS.get(id(fn))
+    return entry is not None and entry[0] is fn and entry[2] == "pass"
+
+
+def yours_or_reference(yours, reference):
+    """``yours`` once its check passed in this session, else ``reference``; prints which.
+
+    The one way the course's cells after an exercise pick the function they use: a learner's
+    function that is not written, is wrong, or was redefined after its check is never used
+    (the demo would fail or mislead), and the cell says so.
+    """
+    name = getattr(yours, "__name__", "your function")
+    entry = _VERDICTS.get(id(yours))
+    status = entry[2] if entry is not None and entry[0] is yours else None
+    if status == "pass":
+        print(f"(this cell uses your {name}: its check passed)")
+        return yours
+    why = {"fail": "did not pass its check",
+           "todo": "is not written yet"}.get(status, "has not passed its check since it was last defined "
+                                                  "(run its check cell)")
+    print(f"(this cell uses the course's reference: your {name} {why})")
+    return reference
+
+
+def attempted(fn, *example_args, **example_kwargs) -> bool:
+    """Deprecated: use ``yours_or_reference``. True when ``fn`` runs on the example input.
+
+    Kept so that code written against the old API still runs; it says nothing about
+    whether ``fn`` is right.
     """
     name = getattr(fn, "__name__", "your function")
     try:
@@ -124,13 +202,90 @@ def _clone(v):
     return v
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor's elements, in order: equal bits, equal bytes (-inf and -3.4e38 differ, -0.0 and 0.0 too)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
 def _same(a, b) -> bool:
+    """True when ``b`` holds bit for bit what ``a`` held (an input before and after the call)."""
     if isinstance(a, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.nan_to_num(0.123), b.nan_to_num(0.123))) \
-            and bool((a.isnan() == b.isnan()).all())
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype \
+            and bool(torch.equal(_bits(a), _bits(b)))
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return True
+
+
+# ------------------------------------------------------------------ the per-case time limit
+TIMEOUT_ENV = "COURSE_CASE_TIMEOUT"
+DEFAULT_CASE_TIMEOUT = 60.0
+_limit_state = threading.local()
+
+
+def case_timeout() -> float | None:
+    """Seconds one call of a learner's function may take (``COURSE_CASE_TIMEOUT``, default 60; None: no limit)."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CASE_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds, e.g. 60 "
+                         "(0 turns the limit off)") from None
+    return seconds if seconds > 0 and math.isfinite(seconds) else None
+
+
+def _async_raise(thread_id: int, exc) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
+
+
+def call_with_limit(fn, *args, limit: float | None = None, **kwargs):
+    """``fn(*args, **kwargs)``, raising ``CaseTimeout`` in this thread once it has run ``limit`` seconds.
+
+    ``limit`` defaults to ``case_timeout()``. Nested calls on one thread share the outer limit.
+    """
+    limit = case_timeout() if limit is None else limit
+    if not limit or getattr(_limit_state, "active", False):
+        return fn(*args, **kwargs)
+    thread_id = threading.get_ident()
+    lock = threading.Lock()
+    state = {"running": True, "fired": False}
+
+    def fire():
+        with lock:
+            if state["running"]:
+                state["fired"] = True
+                _async_raise(thread_id, CaseTimeout)
+
+    timer = threading.Timer(limit, fire)
+    timer.daemon = True
+    _limit_state.active = True
+    timer.start()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        with lock:
+            state["running"] = False
+            fired = state["fired"]
+        timer.cancel()
+        _limit_state.active = False
+        if fired:                    # the exception may still be pending: clear it and raise it here, once
+            _async_raise(thread_id, None)
+            raise CaseTimeout
+
+
+def _time_limited(fn):
+    """``fn`` with the per-case time limit on every call (the checkers call the learner's function through it)."""
+    if fn is None or not callable(fn):
+        return fn
+
+    @functools.wraps(fn)
+    def limited(*args, **kwargs):
+        return call_with_limit(fn, *args, **kwargs)
+    return limited
 
 
 def _where_in_learner_code(tb) -> str:
@@ -150,9 +305,12 @@ class Grader:
     """Calls the learner's function on cases and compares the answers; counts what matched."""
 
     def __init__(self, name, fn, arg_names=None):
-        self.name, self.fn, self.arg_names = name, fn, arg_names
+        self.name, self.arg_names = name, arg_names
+        self.learner_fn = fn                 # the function as the learner passed it
+        self.fn = _time_limited(fn)          # the same, with the per-case time limit on each call
         self.case = None
         self.cases = 0
+        self.returned = 0                    # calls of the learner's function that returned
         self.max_rel_err = 0.0
         self.notes = []
 
@@ -169,30 +327,56 @@ class Grader:
         raise CheckFailure("\n".join(lines))
 
     # ----------------------------------------------------------------- calling
-    def call(self, case: Case, fn=None):
-        """Call the learner's function on copies of the case's inputs; return its output."""
+    def call(self, case: Case, fn=None, error_hint: str = ""):
+        """Call the learner's function on copies of the case's inputs; return its output.
+
+        ``error_hint``: the hint if the function raises on this case (else one is guessed from the error).
+        """
         self.case = case
         fn = fn or self.fn
         args, kwargs = _clone(case.args), _clone(case.kwargs)
         try:
-            out = fn(*args, **kwargs)
-        except NotImplementedError:
-            raise _NotAttempted from None
+            out = call_with_limit(fn, *args, **kwargs)
+        except NotImplementedError as e:
+            if self.returned == 0:           # the untouched stub raises on the first case: not attempted
+                raise _NotAttempted from None
+            where = _where_in_learner_code(e.__traceback__)
+            self.fail(f"your function raised NotImplementedError on this case{where}, after returning on "
+                      f"{self.returned} earlier case{'s' if self.returned != 1 else ''}",
+                      hint="a branch of your function is not written yet (or still raises NotImplementedError): "
+                           "this case takes it; the exercise must handle every case")
+        except CaseTimeout:
+            self.fail_timeout()
         except CheckFailure:
             raise
         except Exception as e:  # noqa: BLE001 - any error in learner code becomes a verdict
             where = _where_in_learner_code(e.__traceback__)
             self.fail(f"your function raised {type(e).__name__}: {e}{where}",
-                      hint=_hint_for_exception(e))
-        for i, (before, after) in enumerate(zip(case.args, args)):
+                      hint=error_hint or _hint_for_exception(e))
+        self.returned += 1
+        changed = [(i, before, after) for i, (before, after) in enumerate(zip(case.args, args))]
+        changed += [(k, case.kwargs[k], kwargs[k]) for k in case.kwargs]
+        for key, before, after in changed:
             if not _same(before, after):
-                label = self.arg_names[i] if self.arg_names and i < len(self.arg_names) else f"argument {i}"
+                if isinstance(key, str):
+                    label = key
+                else:
+                    label = self.arg_names[key] if self.arg_names and key < len(self.arg_names) else f"argument {key}"
                 self.fail(f"your function changed its input `{label}` in place",
-                          hint="never write into the inputs (e.g. `q *= scale`, `x[i] = ...`, `.sub_()`): "
-                               "a kernel reads Q, K, V and writes only O; work on a new tensor")
+                          hint="never write into the inputs (e.g. `q *= scale`, `x[i] = ...`, `.sub_()`, "
+                               "`.nan_to_num_()`): a kernel reads Q, K, V and writes only O; work on a new tensor "
+                               "(out-of-place ops: `x = x.nan_to_num()`, `q = q * scale`)")
         if out is None:
             self.fail("your function returned None", hint="did you forget the `return` line?")
         return out
+
+    def fail_timeout(self, case: Case | None = None):
+        limit = case_timeout()
+        self.fail(f"your function was still running after {limit:g} s on this case, so the check stopped it "
+                  f"(the limit per case is {TIMEOUT_ENV}, in seconds)",
+                  hint="a loop that never ends? check that every `while` advances (j += Bc) and that a `for` "
+                       "loop's range has a step; if your function is right but slow, raise the limit, e.g. "
+                       f"os.environ['{TIMEOUT_ENV}'] = '300'", case=case)
 
     def count(self, n: int = 1):
         self.cases += n
@@ -222,8 +406,10 @@ class Grader:
                       hint="check which dimension you reduced over and whether you dropped the last, "
                            "ragged tile (range(0, N, Br) and slicing q[i:i+Br] handle it)")
         if dtype is not None and t.dtype != dtype:
-            self.fail(f"`{what}` has dtype {t.dtype}, expected {dtype}",
-                      hint="return the same dtype as the inputs (compute in float32, or cast back at the end)")
+            dt = str(dtype).replace("torch.", "")
+            self.fail(f"`{what}` has dtype {t.dtype}, expected {dtype} (the inputs' dtype)",
+                      hint=f"return the inputs' dtype, {dt} here: allocate with dtype=q.dtype "
+                           "(torch.zeros(..., dtype=x.dtype)) or cast back at the end with .to(x.dtype)")
         if device is not None and t.device != torch.device(device):
             self.fail(f"`{what}` is on {t.device}, expected {device}",
                       hint="allocate outputs on the inputs' device: torch.empty(..., device=q.device)")
@@ -326,6 +512,10 @@ class Grader:
 
 def _hint_for_exception(e: Exception) -> str:
     msg = str(e)
+    if "numel() == 0" in msg or "non-zero size" in msg or "with no elements" in msg:
+        return ("a max (or another reduction) over an empty slice: a tile or a split with no keys in it (more "
+                "splits than keys, or a slice past the end). Skip it, or give it its neutral values "
+                "(m = -inf, l = 0, O = 0, lse = -inf)")
     if isinstance(e, (RuntimeError, ValueError)) and ("size" in msg or "shape" in msg or "match" in msg):
         return ("a shape mismatch: write the shape next to each line ([Br, d] @ [d, Bc] -> [Br, Bc]) and "
                 "mind the last tile, which can be smaller than Br or Bc")
@@ -357,8 +547,11 @@ def _say(name: str, status: str, line: str) -> None:
 
 
 def _fail(name: str, message: str):
+    """A ❌: recorded; raised as a ``CheckFailure`` (strict, or outside a notebook) or printed."""
     _record(name, "fail", message)
-    raise CheckFailure(message) from None
+    if raises_on_fail():
+        raise CheckFailure(message) from None
+    print(message + "\n   (the notebook goes on: later cells use the course's reference until this check passes)")
 
 
 def exercise(name: str, arg_names=None, reference: str = "the float64 reference"):
@@ -375,17 +568,25 @@ def exercise(name: str, arg_names=None, reference: str = "the float64 reference"
                             f"not a {type(fn).__name__}")
             g = Grader(name, fn, arg_names)
             try:
-                summary = grade(g)
+                try:
+                    summary = grade(g)
+                except CaseTimeout:          # a call made outside g.call (a metered one) ran too long
+                    g.fail_timeout()
             except _NotAttempted:
+                _remember(fn, name, "todo")
                 if strict():
                     _fail(name, f"❌ {name}: not attempted (COURSE_STRICT=1): the stub still raises "
                                 "NotImplementedError")
+                    return None
                 _say(name, "todo", f"⏳ {name}: not attempted yet")
                 return None
             except CheckFailure as e:
+                _remember(fn, name, "fail")
                 _fail(name, str(e))
+                return None
             if summary is None:
                 summary = f"{g.cases} cases match {reference}, max rel err {g.max_rel_err:.0e}"
+            _remember(fn, name, "pass")
             _say(name, "pass", f"✅ {name}: {summary}")
             return None
         checker.exercise_name = name

@@ -14,7 +14,7 @@ import torch
 
 __all__ = ["Tile", "tile_grid", "V1Step", "v1_schedule", "render_v1_step", "flash_attn_v1_ref",
            "standard_attention", "paper_standard_elements", "paper_flash_elements", "sram_elements",
-           "works", "v1_traffic", "plot_v1_traffic"]
+           "v1_traffic", "plot_v1_traffic"]
 
 
 # ------------------------------------------------------------------ the grid of tiles
@@ -188,10 +188,6 @@ def paper_flash_elements(N: int, d: int, M: int) -> float:
 
 
 # ------------------------------------------------------------------ measured traffic
-# True when a learner's function runs on an example; False (saying so) while it is the stub or raises.
-from .checking import attempted as works  # noqa: E402
-
-
 def v1_traffic(v1, Ns, d=16, Br=16, Bc=16, seed=0):
     """Measured HBM bytes of ``v1`` and of standard attention for each N (N = Nk)."""
     from . import meter

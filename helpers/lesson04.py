@@ -17,7 +17,8 @@ import math
 import torch
 
 __all__ = ["SKIP", "FULL", "PARTIAL", "CLASSES", "offset", "tile_class", "tile_classes",
-           "work_fraction", "render_tile_classes", "plot_work_saved"]
+           "work_fraction", "render_tile_classes", "plot_work_saved", "tiled_masked_attention",
+           "flash_attn_causal_ref"]
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 CLASSES = ("skip", "full", "partial")
@@ -125,3 +126,52 @@ def plot_work_saved(Ns=None, tiles=((16, 16), (64, 64), (128, 64)), align: str =
     ax.set_title("causal attention: work a tiled kernel never does")
     ax.legend(fontsize=8)
     return ax
+
+
+# ------------------------------------------------------------------ the course's reference kernel
+def tiled_masked_attention(q, k, v, vis, Br=4, Bc=3):
+    """FlashAttention (V2 order) under a mask: tiles with no visible key are skipped, full tiles run
+    unmasked, partial ones are masked. ``vis`` is a bool [N, Nk] (True = may attend) or a function
+    ``(i0, j0, br, bc) -> bool [br, bc]`` giving one tile's mask (nothing N x Nk is then made).
+    Returns (O [N, d], lse [N]) in q's dtype; a row that sees no key gets O = 0, lse = -inf.
+    The course's stand-in for a learner's kernel."""
+    N, d = q.shape
+    Nk = k.shape[0]
+    scale = 1.0 / math.sqrt(d)
+    O = torch.zeros(N, v.shape[1], dtype=q.dtype)                       # [N, dv]
+    lse = torch.full((N,), -math.inf, dtype=q.dtype)                    # [N]
+    for i0 in range(0, N, Br):
+        Qi = q[i0:i0 + Br]                                              # [Br, d]
+        br = Qi.shape[0]
+        m = torch.full((br,), -math.inf, dtype=q.dtype)
+        l = torch.zeros(br, dtype=q.dtype)
+        acc = torch.zeros(br, v.shape[1], dtype=q.dtype)                # [Br, dv]
+        for j0 in range(0, Nk, Bc):
+            bc = min(Bc, Nk - j0)
+            tile = vis(i0, j0, br, bc) if callable(vis) else vis[i0:i0 + br, j0:j0 + bc]   # [Br, Bc]
+            if not tile.any():
+                continue                                                # skip: never computed
+            S = Qi @ k[j0:j0 + Bc].T * scale                            # [Br, Bc]
+            if not tile.all():
+                S = S.masked_fill(~tile, -math.inf)                     # partial: masked
+            m_new = torch.maximum(m, S.amax(1))
+            m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+            P = torch.exp(S - m_safe[:, None])                          # [Br, Bc]
+            alpha = torch.exp(m - m_safe)
+            l = alpha * l + P.sum(1)
+            acc = alpha[:, None] * acc + P @ v[j0:j0 + Bc]              # [Br, dv]
+            m = m_new
+        l_safe = torch.where(l == 0, 1.0, l)
+        O[i0:i0 + br] = acc / l_safe[:, None]
+        lse[i0:i0 + br] = torch.where(l == 0, -math.inf, m + torch.log(l_safe))
+    return O, lse
+
+
+def flash_attn_causal_ref(q, k, v, Br=4, Bc=3, align="top_left"):
+    """The course's causal kernel (the exercise's signature): ``tiled_masked_attention`` with a causal mask."""
+    N, Nk = q.shape[0], k.shape[0]
+    off = offset(N, Nk, align)
+
+    def tile_vis(i0, j0, br, bc):                     # one tile's mask, from its indices
+        return torch.arange(j0, j0 + bc)[None, :] <= torch.arange(i0, i0 + br)[:, None] + off   # [br, bc]
+    return tiled_masked_attention(q, k, v, tile_vis, Br, Bc)

@@ -17,6 +17,7 @@ about 989 TFLOP/s dense BF16.
 """
 from __future__ import annotations
 
+import math
 
 import torch
 
@@ -24,7 +25,7 @@ __all__ = ["H200_SMS", "H200_BYTES_PER_S", "H200_BF16_FLOPS", "split_bounds", "w
            "suggest_splits", "num_splits_heuristic", "fa2_num_splits", "decode_flops_per_byte",
            "kv_bytes_per_token", "decode_kv_time_s", "make_paged_cache",
            "plot_work_units", "plot_decode_time", "render_explorer", "plot_paged_cache", "MODELS",
-           "try_run", "plot_split_weights"]
+           "plot_split_weights", "combine_splits_ref", "flash_decode_ref", "flash_decode_paged_ref"]
 
 H200_SMS = 132
 H200_BYTES_PER_S = 4.8e12
@@ -293,12 +294,53 @@ def plot_paged_cache(block_table, seqlen: int, page_size: int, num_pages: int, a
     return ax
 
 
-def try_run(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, or None while ``fn`` is still a stub (raises NotImplementedError)."""
-    try:
-        return fn(*args, **kwargs)
-    except NotImplementedError:
-        return None
+# ----------------------------------------------------------------- the course's references (the exercises' signatures)
+def combine_splits_ref(o_parts, lse_parts):
+    """(O [H, d], lse [H]) from S partials [S, H, d], [S, H]: weights exp(lse_s - lse); empty splits weigh 0."""
+    lse = torch.logsumexp(lse_parts, dim=0)                                # [H]
+    lse_safe = torch.where(torch.isneginf(lse), 0.0, lse)
+    w = torch.exp(lse_parts - lse_safe)                                    # [S, H], 0 for an empty split
+    return (w[:, :, None] * o_parts).sum(0), lse
+
+
+def flash_decode_ref(q, k, v, num_splits=4):
+    """Split-KV decode: q [H, d], k and v [Hkv, Nk, d] -> (O [H, d], lse [H]); head h reads KV head h // G."""
+    H, d = q.shape
+    Hkv, Nk, _ = k.shape
+    G = H // Hkv
+    o_parts = torch.zeros(num_splits, H, d, dtype=q.dtype)
+    lse_parts = torch.full((num_splits, H), -math.inf, dtype=q.dtype)
+    for s, (a, b) in enumerate(split_bounds(Nk, num_splits)):
+        if b <= a:
+            continue                                                       # an empty split: (0, -inf)
+        for g in range(Hkv):
+            S = q[g * G:(g + 1) * G] @ k[g, a:b].T / math.sqrt(d)          # [G, n]
+            lse_parts[s, g * G:(g + 1) * G] = torch.logsumexp(S, -1)
+            o_parts[s, g * G:(g + 1) * G] = torch.softmax(S, -1) @ v[g, a:b]   # [G, d]
+    return combine_splits_ref(o_parts, lse_parts)
+
+
+def flash_decode_paged_ref(q, k_pages, v_pages, block_table, seqlen, num_splits=4):
+    """Decode over a paged cache (pools [num_pages, page_size, Hkv, d]): the logical pages are cut into
+    splits, each split reads only its own pages through block_table; the partials are combined."""
+    H, d = q.shape
+    page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
+    G = H // Hkv
+    n_pages = -(-seqlen // page_size)
+    o_parts = torch.zeros(num_splits, H, d, dtype=q.dtype)
+    lse_parts = torch.full((num_splits, H), -math.inf, dtype=q.dtype)
+    for s, (a, b) in enumerate(split_bounds(n_pages, num_splits)):
+        if b <= a:
+            continue                                                       # no page in this split
+        idx = block_table[a:b].long()
+        n = min(seqlen, b * page_size) - a * page_size                     # real tokens in these pages
+        k = k_pages[idx].reshape(-1, Hkv, d)[:n]                           # [n, Hkv, d]
+        v = v_pages[idx].reshape(-1, Hkv, d)[:n]
+        for g in range(Hkv):
+            S = q[g * G:(g + 1) * G] @ k[:, g].T / math.sqrt(d)            # [G, n]
+            lse_parts[s, g * G:(g + 1) * G] = torch.logsumexp(S, -1)
+            o_parts[s, g * G:(g + 1) * G] = torch.softmax(S, -1) @ v[:, g]
+    return combine_splits_ref(o_parts, lse_parts)
 
 
 def plot_split_weights(lse_parts: torch.Tensor, head: int = 0, ax=None):

@@ -19,7 +19,7 @@ import torch
 from . import reference
 
 __all__ = ["LOG2E", "LN2", "reference_bhnd", "reference_decode", "split_bounds", "tile_classes",
-           "plot_tile_classes", "ready", "sdpa_error", "load_results", "results_label", "prefill_rows",
+           "plot_tile_classes", "sdpa_error", "load_results", "results_label", "prefill_rows",
            "decode_rows", "prefill_table", "decode_table", "geomean_ratio", "plot_prefill", "plot_decode",
            "bench_prefill_live", "bench_decode_live", "measure_ceilings", "RESULTS"]
 
@@ -109,24 +109,6 @@ def plot_tile_classes(N=256, Nk=256, BLOCK_M=64, BLOCK_N=32, causal=True, ax=Non
     ax.set_xlabel("key tile (BLOCK_N keys)")
     ax.set_ylabel("program = query block (BLOCK_M rows)")
     return ax
-
-
-def ready(fn, *args, **kwargs) -> bool:
-    """True when ``fn`` runs on the example; False (saying so) while it is the stub or fails.
-
-    Like ``helpers.checking.attempted``, but it also recognises the stub's NotImplementedError
-    when the Triton interpreter wraps it (InterpreterError) or the compiler rejects it.
-    """
-    name = getattr(fn, "__name__", "your function")
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the check cell says what broke; the picture goes on
-        if isinstance(e, NotImplementedError) or "NotImplementedError" in f"{e!r} {e}":
-            print(f"({name} is not written yet: this cell uses the course's reference kernel instead)")
-        else:
-            print(f"({name} raised {type(e).__name__}; this cell uses the course's reference kernel instead)")
-        return False
-    return True
 
 
 # ------------------------------------------------------------------ benchmark results

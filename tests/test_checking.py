@@ -1,13 +1,24 @@
-"""The grading framework: verdict lines, strict mode, clear errors, and no traceback in Jupyter."""
+"""The grading framework: verdict lines, strict mode, clear errors, time limits, in-place changes,
+"Run All" that goes on past a ❌ in a notebook, and no traceback in Jupyter."""
+import math
+import time
+
 import nbformat
 import pytest
 import torch
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from helpers import check
-from helpers.checking import Bug, Case, CheckFailure, Grader, attempted
-from conftest import ROOT, rejects
+from helpers import check, checking, reference
+from helpers.checking import Bug, Case, CheckFailure, Grader, attempted, yours_or_reference
+from conftest import ROOT, notebook_namespace, rejects
+
+
+def _merge(m1, l1, m2, l2):
+    """A right merge_ml, written here (not the notebook's)."""
+    m = torch.maximum(m1, m2)
+    m_safe = torch.where(torch.isneginf(m), 0.0, m)
+    return m, l1 * torch.exp(m1 - m_safe) + l2 * torch.exp(m2 - m_safe)
 
 
 def test_check_failure_is_an_assertion_error():
@@ -52,7 +63,8 @@ def test_attempted():
     assert not attempted(stub, 1) and attempted(lambda x: x, 1) and not attempted(lambda x: 1 / 0, 1)
 
 
-def test_jupyter_shows_the_verdict_without_a_traceback(tmp_path):
+def test_jupyter_shows_the_verdict_without_a_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("COURSE_STRICT", "1")        # strict (solutions/): a ❌ raises, shown as its message
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("import torch\nfrom helpers import check"),
                 nbformat.v4.new_code_cell("check.merge_ml(lambda m1, l1, m2, l2: (m1, l1 + l2))")]
@@ -63,3 +75,222 @@ def test_jupyter_shows_the_verdict_without_a_traceback(tmp_path):
     shown = "\n".join(err.traceback)
     assert err.ename == "CheckFailure" and shown.startswith("❌ merge_ml")
     assert "checking.py" not in shown and "Traceback" not in shown
+
+
+# ------------------------------------------------------------------ a ❌ does not stop "Run All" in a notebook
+RUN_ALL = [
+    "import math, torch\nfrom helpers import check, reference\nfrom helpers.checking import yours_or_reference",
+    "def merge_ml(m1, l1, m2, l2):\n    m = torch.maximum(m1, m2)\n    return m, l1 + l2   # wrong: no rescale",
+    "check.merge_ml(merge_ml)",
+    "merge = yours_or_reference(merge_ml, reference.merge_ml)\n"
+    "m, l = merge(torch.tensor([0.0]), torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([1.0]))\n"
+    "assert abs((m + torch.log(l)).item() - math.log(math.e ** 0 + math.e ** 1)) < 1e-5\nprint('demo ran')",
+]
+
+
+def _run_all(monkeypatch, strict, log):
+    if strict:
+        monkeypatch.setenv("COURSE_STRICT", "1")
+    else:
+        monkeypatch.delenv("COURSE_STRICT", raising=False)
+    monkeypatch.setenv("COURSE_GRADE_LOG", str(log))
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in RUN_ALL])
+    client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(ROOT)}})
+    client.execute()
+    return nb
+
+
+def _text(cell):
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+
+
+def test_learner_notebook_goes_on_past_a_failed_check(tmp_path, monkeypatch):
+    log = tmp_path / "grade.jsonl"
+    nb = _run_all(monkeypatch, strict=False, log=log)
+    assert not [o for c in nb.cells for o in c.outputs if o.output_type == "error"]
+    check_out = _text(nb.cells[2])
+    assert check_out.startswith("❌ merge_ml:") and "hint:" in check_out           # the verdict is shown
+    assert '"status": "fail"' in log.read_text()                                     # and reaches make grade
+    demo = _text(nb.cells[3])
+    assert "uses the course's reference: your merge_ml did not pass its check" in demo and "demo ran" in demo
+
+
+def test_strict_notebook_still_stops_at_a_failed_check(tmp_path, monkeypatch):
+    nb = _run_all(monkeypatch, strict=True, log=tmp_path / "grade.jsonl")
+    errors = [o for o in nb.cells[2].outputs if o.output_type == "error"]
+    assert errors and errors[0].ename == "CheckFailure"
+
+
+def test_yours_or_reference_follows_this_sessions_verdict(capsys):
+    def ref(*a):
+        return "reference"
+
+    def merge_ml(m1, l1, m2, l2):
+        return _merge(m1, l1, m2, l2)
+    assert yours_or_reference(merge_ml, ref) is ref                   # never checked
+    assert "has not passed its check" in capsys.readouterr().out
+    check.merge_ml(merge_ml)
+    assert yours_or_reference(merge_ml, ref) is merge_ml
+    assert "uses your merge_ml: its check passed" in capsys.readouterr().out
+
+    def merge_ml(m1, l1, m2, l2):                                     # redefined after its check  # noqa: F811
+        return m1, l1
+    assert yours_or_reference(merge_ml, ref) is ref
+    with pytest.raises(CheckFailure):
+        check.merge_ml(merge_ml)
+    assert yours_or_reference(merge_ml, ref) is ref
+    assert "did not pass its check" in capsys.readouterr().out
+
+    stub = notebook_namespace("01_online_softmax", learner=True)["merge_ml"]
+    check.merge_ml(stub)
+    assert yours_or_reference(stub, ref) is ref
+    assert "is not written yet" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ NotImplementedError on some cases only
+def test_partly_written_function_is_attempted_and_names_the_case(not_strict):
+    def merge_ml(m1, l1, m2, l2):
+        if m1.dim() == 0:
+            raise NotImplementedError("scalars: later")
+        return _merge(m1, l1, m2, l2)
+    msg = rejects(check.merge_ml, merge_ml, "❌ merge_ml", "NotImplementedError on this case", "scalars (0-d tensors)",
+                  "after returning on 7 earlier cases")
+    assert "⏳" not in msg
+
+
+# ------------------------------------------------------------------ in-place changes, bit for bit
+def test_nan_to_num_in_place_is_a_change():
+    def merge_ml(m1, l1, m2, l2):
+        m1.nan_to_num_()                 # -inf -> -3.4e38: "the same" to nan_to_num, not bit for bit
+        m2.nan_to_num_()
+        return _merge(m1, l1, m2, l2)
+    rejects(check.merge_ml, merge_ml, "changed its input `m1` in place", "nan_to_num_")
+
+
+def test_same_is_bit_for_bit():
+    a = torch.tensor([-math.inf, 0.0, float("nan")])
+    assert checking._same(a, a.clone())
+    assert not checking._same(a, a.nan_to_num())
+    assert not checking._same(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert not checking._same([a], [a.nan_to_num()]) and checking._same({"x": a}, {"x": a.clone()})
+
+
+# ------------------------------------------------------------------ the per-case time limit
+def _hang(m1, l1, m2, l2):
+    j, n = 0, m1.numel()
+    while j < n:                          # j never advances
+        try:
+            m = torch.maximum(m1, m2)
+        except Exception:                 # noqa: BLE001 - a learner's catch-all must not swallow the limit
+            pass
+    return m, l1
+
+
+def test_a_hanging_function_gets_a_verdict_after_the_limit(monkeypatch):
+    monkeypatch.setenv("COURSE_CASE_TIMEOUT", "0.5")
+    t0 = time.perf_counter()
+    rejects(check.merge_ml, _hang, "❌ merge_ml", "still running after 0.5 s", "case 'random'", "COURSE_CASE_TIMEOUT",
+            "never ends")
+    assert time.perf_counter() - t0 < 10
+    time.sleep(0.7)                       # nothing left pending: the next Python code runs undisturbed
+    assert sum(range(10)) == 45
+
+
+def test_a_hang_in_a_metered_call_gets_a_verdict_too(monkeypatch):
+    monkeypatch.setenv("COURSE_CASE_TIMEOUT", "0.5")
+    from helpers import meter
+
+    @checking.exercise("demo_metered_hang", arg_names=["x"])
+    def demo(g):
+        g.case = Case("metered", torch.zeros(3))
+        meter.measure(g.fn, torch.zeros(3), names=["x"])   # not through g.call
+    checking.REGISTRY.pop("demo_metered_hang")
+
+    def spin(x):
+        while True:
+            x = x + 0
+    with pytest.raises(CheckFailure, match="still running after 0.5 s"):
+        demo(spin)
+
+
+def test_the_limit_is_configurable_and_checked(monkeypatch):
+    monkeypatch.setenv("COURSE_CASE_TIMEOUT", "0")
+    assert checking.case_timeout() is None
+    monkeypatch.delenv("COURSE_CASE_TIMEOUT")
+    assert checking.case_timeout() == 60.0
+    monkeypatch.setenv("COURSE_CASE_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="COURSE_CASE_TIMEOUT='soon': expected a number of seconds"):
+        checking.case_timeout()
+
+
+def test_a_fast_function_is_not_disturbed_by_the_limit():
+    assert checking.call_with_limit(lambda: 3, limit=0.05) == 3
+    time.sleep(0.1)
+    assert sum(range(4)) == 6
+
+
+# ------------------------------------------------------------------ errors get a hint about their cause
+def test_reduction_over_an_empty_slice_is_named():
+    hint = checking._hint_for_exception(IndexError("amax(): Expected reduction dim 1 to have non-zero size."))
+    assert "empty slice" in hint and "ragged" not in hint
+
+
+def test_one_name_for_using_the_learners_function():
+    """Every cell after an exercise picks the learner's function through yours_or_reference, and only that."""
+    import importlib
+    import re
+    old = re.compile(r"\b(attempted|works|try_run|ready|implemented)\(")
+    used = 0
+    for path in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code":
+                assert not old.search(cell.source), f"{path.name}: {old.search(cell.source).group(0)}"
+                used += "yours_or_reference(" in cell.source
+    assert used >= 8
+    for mod in ("lesson02", "lesson06", "lesson07"):
+        m = importlib.import_module(f"helpers.{mod}")
+        assert not {"works", "try_run", "ready"} & set(vars(m)), mod
+
+
+# ------------------------------------------------------------------ one framework (issue 11, section 5)
+def test_every_name_in_helpers_all_imports():
+    import importlib
+    import helpers
+    for name in helpers.__all__:
+        assert importlib.import_module(f"helpers.{name}") is getattr(helpers, name)
+
+
+# Imports from another lesson's checker still allowed: the metered idea checks, rewritten on the idea-check
+# branch at the same time; they move into helpers/check/_common.py once it is merged (then empty this).
+PENDING_IDEA_IMPORTS = {"IDEA_BC", "IDEA_D", "IDEA_N", "check_tiles_only", "idea_case", "measure_case",
+                        "check_visible_work"}
+
+
+def test_no_checker_imports_another_lessons_checker():
+    import ast
+    for path in sorted((ROOT / "helpers" / "check").glob("lesson*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and (node.module or "").startswith("lesson"):
+                names = {a.name for a in node.names}
+                assert names <= PENDING_IDEA_IMPORTS, f"{path.name} imports {sorted(names)} from {node.module}"
+
+
+def test_one_meaning_for_g_in_the_checkers():
+    """In helpers/check, `g` is the Grader and nothing else (generators are `rng` or `gen`)."""
+    import ast
+    for path in sorted((ROOT / "helpers" / "check").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                assert not any(isinstance(t, ast.Name) and t.id == "g" for t in node.targets), \
+                    f"{path.name}:{node.lineno} assigns g"
+            if isinstance(node, ast.Lambda):
+                assert "g" not in {a.arg for a in node.args.args}, f"{path.name}:{node.lineno}"
+
+
+def test_check_o_lse_is_the_one_o_lse_tail():
+    """The (O, lse) expect/compare tail lives once, in helpers/check/_common.py."""
+    for path in sorted((ROOT / "helpers" / "check").glob("lesson0[3-6].py")):
+        src = path.read_text()
+        assert 'g.expect_tuple(out, 2, "(O, lse)")' not in src, path.name

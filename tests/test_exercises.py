@@ -45,3 +45,20 @@ def test_stub_fails_strict(nb, name, strict):
 def test_stub_not_attempted(nb, name, not_strict, capsys):
     getattr(check, name)(_ns(nb, learner=True)[name])
     assert f"⏳ {name}: not attempted yet" in capsys.readouterr().out
+
+
+CPU_EXERCISES = [(nb, name) for nb, name in EXERCISES if not nb.startswith("07")]
+
+
+@pytest.mark.parametrize("nb, name", CPU_EXERCISES)
+def test_worked_answer_passes_with_float64_default(nb, name, strict, capsys):
+    """``torch.set_default_dtype(torch.float64)`` before a right answer: the cases are then float64,
+    and the expected dtype follows the inputs (never a fixed float32)."""
+    import torch
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        getattr(check, name)(_ns(nb, learner=False)[name])
+    finally:
+        torch.set_default_dtype(before)
+    assert f"✅ {name}" in capsys.readouterr().out

@@ -236,3 +236,22 @@ def test_bytes_figures_of_the_lesson():
     assert score_bytes(8192) == 128 * 2**20
     assert score_bytes(8192, heads=32) == 4 * 2**30
     assert stats_bytes(8192, heads=32) == 2 * 2**20
+
+
+# ------------------------------------------------------------------ hints that name the mistake (issue 11)
+def test_lse_in_log2_of_l_is_named():
+    msg = rejects(check.lse_from_stats, lambda m, l: m + torch.log2(l), "m + log2(l)", "natural log")
+    assert "overflows" not in msg
+
+
+def test_blockwise_old_l_not_rescaled_is_named():
+    def blockwise_stats(x, Bc):
+        m = torch.full((x.shape[0],), -math.inf)
+        l = torch.zeros(x.shape[0])
+        for j in range(0, x.shape[1], Bc):
+            block = x[:, j:j + Bc]
+            m = torch.maximum(m, block.amax(1))
+            m_safe = torch.where(torch.isneginf(m), 0.0, m)
+            l = l + torch.exp(block - m_safe[:, None]).sum(1)      # BUG: the old l is not rescaled
+        return m, l
+    rejects(check.blockwise_stats, blockwise_stats, "running l was not rescaled", "exp(m_old - m_new)")

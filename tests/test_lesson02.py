@@ -221,17 +221,6 @@ def test_v1_traffic_and_bounds():
     plt.close(fig)
 
 
-def test_works_says_when_falling_back(capsys):
-    def stub(*a):
-        raise NotImplementedError
-
-    def broken(*a):
-        raise ValueError("boom")
-    assert not L.works(stub, 1) and "not written yet" in capsys.readouterr().out
-    assert not L.works(broken, 1) and "boom" in capsys.readouterr().out
-    assert L.works(lambda *a: 0, 1)
-
-
 def test_learner_notebook_is_generated_from_the_worked_one():
     from helpers.generate import ROOT, drift
     assert not [p for p in drift(ROOT / "solutions", ROOT / "notebooks") if p.startswith(NB)]

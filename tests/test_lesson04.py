@@ -185,3 +185,91 @@ def test_pictures_draw():
     assert "bottom_right" in ax.get_title()
     lesson04.plot_work_saved(Ns=[16, 64, 256])
     plt.close("all")
+
+
+# ------------------------------------------------------------------ hints that name the mistake (issue 11)
+def _classifier(skip_row="last", skip_key="first", full_row="first", full_key="last", minus_one=1,
+                offset=lambda N, Nk: Nk - N):
+    """classify_tile written by a learner, with the corners and the offset as knobs."""
+    def classify_tile(i0, j0, Br, Bc, N, Nk, align="top_left"):
+        off = 0 if align == "top_left" else offset(N, Nk)
+        i1, j1 = min(i0 + Br, N) - minus_one, min(j0 + Bc, Nk) - minus_one
+        rows, keys = {"first": i0, "last": i1}, {"first": j0, "last": j1}
+        if keys[skip_key] > rows[skip_row] + off:
+            return "skip"
+        if keys[full_key] <= rows[full_row] + off:
+            return "full"
+        return "partial"
+    return classify_tile
+
+
+def test_classifier_written_here_passes(strict, capsys):
+    check.classify_tile(_classifier())
+    assert "✅ classify_tile" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("knobs, words", [
+    (dict(skip_row="first"), ["wrong corner for skip", "you tested its first row"]),
+    (dict(skip_key="last"), ["wrong corner for skip", "you tested its last key"]),
+    (dict(full_row="last"), ["wrong corner for full", "you tested its last row"]),
+    (dict(full_key="first"), ["wrong corner for full", "you tested its first key"]),
+    (dict(minus_one=0), ["min(i0 + Br, N) - 1", "without the - 1"]),
+    (dict(offset=lambda N, Nk: N - Nk), ["bottom-right offset is Nk - N", "not N - Nk"]),
+    (dict(offset=lambda N, Nk: Nk - N - 1), ["off-by-one on the diagonal", "the diagonal itself is visible"]),
+])
+def test_classify_mistakes_are_named(knobs, words):
+    msg = rejects(check.classify_tile, _classifier(**knobs), *words)
+    assert "partial: anything else" not in msg           # not the generic hint
+
+
+def _causal_with_partial_mask(mask_of):
+    """The worked flash_attn_causal with the partial tiles' mask given by mask_of(rows, cols, offset, i0, j0)."""
+    def flash_attn_causal(q, k, v, Br=4, Bc=3, align="top_left"):
+        N, d = q.shape
+        Nk = k.shape[0]
+        off = 0 if align == "top_left" else Nk - N
+        O, lse = torch.empty(N, d), torch.empty(N)
+        for i0 in range(0, N, Br):
+            Qi = q[i0:i0 + Br]
+            br = Qi.shape[0]
+            m, l, acc = torch.full((br,), -math.inf), torch.zeros(br), torch.zeros(br, d)
+            for j0 in range(0, Nk, Bc):
+                kind = _classifier()(i0, j0, Br, Bc, N, Nk, align)
+                if kind == "skip":
+                    continue
+                Kj, Vj = k[j0:j0 + Bc], v[j0:j0 + Bc]
+                S = Qi @ Kj.T / math.sqrt(d)
+                if kind == "partial":
+                    rows = torch.arange(i0, i0 + br)[:, None]
+                    cols = torch.arange(j0, j0 + Kj.shape[0])[None, :]
+                    S = S.masked_fill(mask_of(rows, cols, off, i0, j0), -math.inf)
+                m_new = torch.maximum(m, S.amax(1))
+                m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+                P, alpha = torch.exp(S - m_safe[:, None]), torch.exp(m - m_safe)
+                l, acc, m = alpha * l + P.sum(1), alpha[:, None] * acc + P @ Vj, m_new
+            l_safe = torch.where(l == 0, 1.0, l)
+            O[i0:i0 + br] = acc / l_safe[:, None]
+            lse[i0:i0 + br] = torch.where(l == 0, -math.inf, m + torch.log(l_safe))
+        return O, lse
+    return flash_attn_causal
+
+
+def test_partial_mask_off_by_one_is_named():
+    fn = _causal_with_partial_mask(lambda rows, cols, off, i0, j0: cols >= rows + off)   # hides the diagonal
+    rejects(check.flash_attn_causal, fn, "mask of the partial tiles is off by one", "hides the diagonal")
+
+
+def test_partial_mask_in_local_indices_is_named():
+    fn = _causal_with_partial_mask(lambda rows, cols, off, i0, j0: (cols - j0) > (rows - i0) + off)
+    rejects(check.flash_attn_causal, fn, "the tile's own indices", "i0 + arange(Br)")
+
+
+def test_partial_mask_written_here_passes(strict, capsys):
+    check.flash_attn_causal(_causal_with_partial_mask(lambda rows, cols, off, i0, j0: cols > rows + off))
+    assert "✅ flash_attn_causal" in capsys.readouterr().out
+
+
+def test_course_reference_kernel_passes_the_checker(strict, capsys):
+    """The reference the notebook falls back on (yours_or_reference) is itself a right answer."""
+    check.flash_attn_causal(lesson04.flash_attn_causal_ref)
+    assert "✅ flash_attn_causal" in capsys.readouterr().out

@@ -8,6 +8,7 @@ swapped into a fresh copy of the notebook's namespace: the outer kernel looks ``
 from __future__ import annotations
 
 import math
+import types
 
 import matplotlib
 import pytest
@@ -32,90 +33,72 @@ def _ns(**swap):
 
 # ------------------------------------------------------------------ the solution, the stub
 # ------------------------------------------------------------------ planted bugs: the inner loop
+# One inner loop; BUG (a tl.constexpr) plants one mistake at a time. `inner_with(bug)` binds it and has the
+# notebook's signature, so it can be swapped in for the notebook's attn_inner.
+OK = tl.constexpr(0)
+NO_ALPHA = tl.constexpr(1)          # acc not rescaled by alpha
+EXP = tl.constexpr(2)               # tl.exp with the log2(e)-folded scale
+NO_LOAD_MASK = tl.constexpr(3)      # no mask on the ragged last tile's loads (reads past Nk)
+NO_SCORE_MASK = tl.constexpr(4)     # loads masked, but the padding keeps its score (0, not -inf)
+CAUSAL_OFF_BY_ONE = tl.constexpr(5)  # causal mask j < i: the diagonal hidden
+
+
 @triton.jit
-def inner_no_alpha(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, qk_scale, Nk,
-                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def planted_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, qk_scale, Nk,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BUG: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=cols[:, None] < Nk, other=0.0)
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=cols[:, None] < Nk, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        keep = cols[None, :] < Nk
+        cols = start_n + offs_n                                                   # [BLOCK_N]
+        if BUG == NO_LOAD_MASK:
+            k = tl.load(k_ptrs + start_n * stride_kn)                             # [BLOCK_N, D]
+            v = tl.load(v_ptrs + start_n * stride_vn)
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=cols[:, None] < Nk, other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=cols[:, None] < Nk, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale                                    # [BLOCK_M, BLOCK_N]
+        if BUG == NO_LOAD_MASK or BUG == NO_SCORE_MASK:
+            keep = cols[None, :] >= 0                                             # every key kept
+        else:
+            keep = cols[None, :] < Nk
         if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None])
+            if BUG == CAUSAL_OFF_BY_ONE:
+                keep = keep & (cols[None, :] < offs_m[:, None])
+            else:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
         qk = tl.where(keep, qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))                                     # [BLOCK_M]
         m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
+        if BUG == EXP:
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+        else:
+            p = tl.math.exp2(qk - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc)          # BUG: acc not rescaled by alpha
+        if BUG == NO_ALPHA:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_ij
     return acc, l_i, m_i
 
 
-@triton.jit
-def inner_exp(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, qk_scale, Nk,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=cols[:, None] < Nk, other=0.0)
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=cols[:, None] < Nk, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        keep = cols[None, :] < Nk
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None])
-        qk = tl.where(keep, qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.exp(qk - m_safe[:, None])             # BUG: exp with the log2(e)-folded scale
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_ij
-    return acc, l_i, m_i
+def _with_bug(template, bug):
+    """``template`` jitted with its global ``BUG`` bound to ``bug`` (a fresh globals dict: the Triton
+    interpreter and compiler both read a kernel's globals, not a closure)."""
+    fn = types.FunctionType(template.__code__, {**template.__globals__, "BUG": tl.constexpr(bug)},
+                            template.__name__, template.__defaults__)
+    return triton.jit(fn)
 
 
-@triton.jit
-def inner_no_mask(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, qk_scale, Nk,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = tl.load(k_ptrs + start_n * stride_kn)     # BUG: no mask on the ragged last tile (reads past Nk)
-        v = tl.load(v_ptrs + start_n * stride_vn)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        if CAUSAL:
-            if MASKED:
-                qk = tl.where(cols[None, :] <= offs_m[:, None], qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_ij
-    return acc, l_i, m_i
+def _attn_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, qk_scale, Nk,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    return planted_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n,
+                         qk_scale, Nk, BLOCK_N, MASKED, CAUSAL, BUG)  # noqa: F821 - bound by _with_bug
 
 
-@triton.jit
-def inner_no_score_mask(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, qk_scale,
-                        Nk, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=cols[:, None] < Nk, other=0.0)
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=cols[:, None] < Nk, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale         # BUG: loads masked, but the padding gets score 0
-        if CAUSAL:
-            if MASKED:
-                qk = tl.where(cols[None, :] <= offs_m[:, None], qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_ij
-    return acc, l_i, m_i
+def inner_with(bug):
+    """The notebook's attn_inner (same signature) with one planted bug (a BUG value above)."""
+    return _with_bug(_attn_inner, bug)
 
 
 @triton.jit
@@ -142,13 +125,18 @@ def inner_other_way(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, 
     return acc, l_i, m_i
 
 
+def test_planted_switch_off_passes(capsys, strict):
+    check.flash_attn_triton(_ns(attn_inner=inner_with(OK))["flash_attn_triton"])
+    assert "✅" in capsys.readouterr().out
+
+
 def test_bug_no_alpha_rescale():
-    ns = _ns(attn_inner=inner_no_alpha)
+    ns = _ns(attn_inner=inner_with(NO_ALPHA))
     rejects(check.flash_attn_triton, ns["flash_attn_triton"], "acc was not rescaled", "alpha")
 
 
 def test_bug_exp_with_folded_scale():
-    ns = _ns(attn_inner=inner_exp)
+    ns = _ns(attn_inner=inner_with(EXP))
     rejects(check.flash_attn_triton, ns["flash_attn_triton"], "tl.exp with qk_scale", "exp2")
 
 
@@ -158,14 +146,20 @@ def test_bug_exp2_without_folding():
 
 
 def test_bug_missing_mask_reads_past_n():
-    ns = _ns(attn_inner=inner_no_mask)
+    ns = _ns(attn_inner=inner_with(NO_LOAD_MASK))
     msg = rejects(check.flash_attn_triton, ns["flash_attn_triton"], "NaN past Nk", "read past the end")
     assert "mask=cols[:, None] < Nk" in msg
 
 
 def test_bug_padding_scored_as_keys():
-    ns = _ns(attn_inner=inner_no_score_mask)
+    ns = _ns(attn_inner=inner_with(NO_SCORE_MASK))
     rejects(check.flash_attn_triton, ns["flash_attn_triton"], "padding was scored", "-inf")
+
+
+def test_bug_causal_off_by_one_is_named():
+    ns = _ns(attn_inner=inner_with(CAUSAL_OFF_BY_ONE))
+    msg = rejects(check.flash_attn_triton, ns["flash_attn_triton"], "causal mask is off by one", "j <= i")
+    assert "over the bound" not in msg
 
 
 def test_forward_another_correct_way(capsys, strict):
@@ -181,28 +175,38 @@ def test_forward_computed_with_torch_is_rejected():
 
 
 # ------------------------------------------------------------------ planted bugs: the combine
-@triton.jit
-def combine_mean(O_part, LSE_part, O, num_splits, BLOCK_S: tl.constexpr, D: tl.constexpr):
-    off_bh = tl.program_id(0)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, D)
-    s_ok = offs_s < num_splits
-    o_s = tl.load(O_part + (off_bh * num_splits + offs_s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    o = tl.sum(o_s, 0) / num_splits                  # BUG: a plain mean
-    tl.store(O + off_bh * D + offs_d, o.to(O.dtype.element_ty))
+MEAN = tl.constexpr(1)              # a plain mean of the splits
+NO_MAX = tl.constexpr(2)            # exp(lse_s) with no max subtracted: overflows
 
 
 @triton.jit
-def combine_no_max(O_part, LSE_part, O, num_splits, BLOCK_S: tl.constexpr, D: tl.constexpr):
+def planted_combine(O_part, LSE_part, O, num_splits, BLOCK_S: tl.constexpr, D: tl.constexpr, BUG: tl.constexpr):
     off_bh = tl.program_id(0)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
     s_ok = offs_s < num_splits
     lse_s = tl.load(LSE_part + off_bh * num_splits + offs_s, mask=s_ok, other=float("-inf"))
     o_s = tl.load(O_part + (off_bh * num_splits + offs_s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    w = tl.exp(lse_s)                                # BUG: no max subtracted: overflows
-    o = tl.sum(w[:, None] * o_s, 0) / tl.sum(w, 0)
+    if BUG == MEAN:
+        o = tl.sum(o_s, 0) / num_splits
+    else:
+        if BUG == NO_MAX:
+            lse_max = 0.0
+        else:
+            lse_max = tl.max(lse_s, 0)
+            lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        w = tl.exp(lse_s - lse_max)
+        o = tl.sum(w[:, None] * o_s, 0) / tl.sum(w, 0)
     tl.store(O + off_bh * D + offs_d, o.to(O.dtype.element_ty))
+
+
+def _decode_combine(O_part, LSE_part, O, num_splits, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    planted_combine(O_part, LSE_part, O, num_splits, BLOCK_S, D, BUG)  # noqa: F821 - bound by _with_bug
+
+
+def combine_with(bug):
+    """The notebook's decode_combine (same signature) with one planted bug."""
+    return _with_bug(_decode_combine, bug)
 
 
 @triton.jit
@@ -221,12 +225,12 @@ def combine_other_way(O_part, LSE_part, O, num_splits, BLOCK_S: tl.constexpr, D:
 
 
 def test_bug_combine_plain_mean():
-    ns = _ns(decode_combine=combine_mean)
+    ns = _ns(decode_combine=combine_with(MEAN))
     rejects(check.flash_decode_triton, ns["flash_decode_triton"], "plain mean", "exp(lse_s - lse)")
 
 
 def test_bug_combine_without_max():
-    ns = _ns(decode_combine=combine_no_max)
+    ns = _ns(decode_combine=combine_with(NO_MAX))
     rejects(check.flash_decode_triton, ns["flash_decode_triton"], "large logits", "overflowed")
 
 
@@ -292,14 +296,6 @@ def test_reference_decode_gqa():
     o = lesson07.reference_decode(q, k, v)
     want, _ = reference.attention(q[1, 3][None], k[1, 1], v[1, 1])   # head 3 reads KV head 3 // 2 = 1
     assert torch.allclose(o[1, 3], want[0])
-
-
-def test_ready_recognises_wrapped_stub(capsys):
-    def stub(*a):
-        raise RuntimeError("InterpreterError(NotImplementedError('attn_inner: replace this line'))")
-    assert not lesson07.ready(stub)
-    assert "not written yet" in capsys.readouterr().out
-    assert lesson07.ready(lambda: 1)
 
 
 SYNTH = {"gpu": "TestGPU", "torch": "9.9", "triton": "9.9", "date": "2000-01-01",

@@ -10,12 +10,9 @@ import torch
 
 from .. import reference
 from ..checking import Bug, Case, exercise
+from ._common import NEG_INF, gen
 
-NEG_INF = -math.inf
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+_gen = gen
 
 
 # ------------------------------------------------------------------ shared bug models
@@ -40,21 +37,21 @@ def _stats_inverted_rescale(x):
 
 # ------------------------------------------------------------------ online_softmax_stats
 def _row_cases():
-    g = _gen(1)
+    rng = _gen(1)
     cases = [
         Case("one element", torch.tensor([0.5])),
-        Case("increasing (rescale at every step)", torch.arange(6, dtype=torch.float32) * 1.5),
-        Case("decreasing (no rescale needed)", torch.arange(6, 0, -1, dtype=torch.float32)),
-        Case("random", torch.randn(37, generator=g)),
-        Case("large logits (exp overflows without the max)", torch.randn(20, generator=g) * 50 + 1000,
+        Case("increasing (rescale at every step)", torch.arange(6.0) * 1.5),
+        Case("decreasing (no rescale needed)", torch.arange(6.0, 0, -1)),
+        Case("random", torch.randn(37, generator=rng)),
+        Case("large logits (exp overflows without the max)", torch.randn(20, generator=rng) * 50 + 1000,
              note="exp(1000) is inf in float32 and float64"),
-        Case("very negative logits (exp underflows without the max)", torch.randn(9, generator=g) - 2000),
+        Case("very negative logits (exp underflows without the max)", torch.randn(9, generator=rng) - 2000),
         Case("-inf first (a masked key before any real one)", torch.tensor([NEG_INF, NEG_INF, 1.0, 2.0])),
         Case("-inf last", torch.tensor([3.0, 1.0, NEG_INF])),
         Case("all -inf (a fully masked row)", torch.full((5,), NEG_INF)),
         Case("ties", torch.tensor([2.0, 2.0, 2.0, 2.0])),
     ]
-    cases += [Case(f"random, n={n}", torch.randn(n, generator=g) * 4) for n in (2, 3, 64, 129)]
+    cases += [Case(f"random, n={n}", torch.randn(n, generator=rng) * 4) for n in (2, 3, 64, 129)]
     return cases
 
 
@@ -119,10 +116,10 @@ def _one_pass(g):
 
 # ------------------------------------------------------------------ merge_ml
 def _merge_cases():
-    g = _gen(3)
+    rng = _gen(3)
     n = 64
-    m1, m2 = torch.randn(n, generator=g) * 3, torch.randn(n, generator=g) * 3
-    l1, l2 = torch.rand(n, generator=g) * 5 + 1, torch.rand(n, generator=g) * 5 + 1
+    m1, m2 = torch.randn(n, generator=rng) * 3, torch.randn(n, generator=rng) * 3
+    l1, l2 = torch.rand(n, generator=rng) * 5 + 1, torch.rand(n, generator=rng) * 5 + 1
     t = torch.tensor
     return [
         Case("random", m1, l1, m2, l2),
@@ -167,8 +164,8 @@ def merge_ml(g):
         out = g.call(case)
         m_got, l_got = g.expect_tuple(out, 2, "(m, l)")
         shape = case.args[0].shape
-        g.expect_tensor(m_got, "m", shape=shape, dtype=torch.float32)
-        g.expect_tensor(l_got, "l", shape=shape, dtype=torch.float32)
+        g.expect_tensor(m_got, "m", shape=shape, dtype=case.args[0].dtype)
+        g.expect_tensor(l_got, "l", shape=shape, dtype=case.args[0].dtype)
         m_ref, l_ref = reference.merge_ml(*case.args)
         both_empty = ("both statistics were -inf: exp(-inf - -inf) is NaN; use a safe max "
                       "(where m is -inf, rescale by 0 or use m_safe = where(m == -inf, 0, m))")
@@ -183,8 +180,8 @@ def merge_ml(g):
 
 # ------------------------------------------------------------------ blockwise_stats
 def _block_cases():
-    g = _gen(4)
-    x = torch.randn(5, 23, generator=g) * 3
+    rng = _gen(4)
+    x = torch.randn(5, 23, generator=rng) * 3
     holes = x.clone()
     holes[1, :7] = NEG_INF       # the first blocks of row 1 are empty
     holes[3, :] = NEG_INF        # row 3 is fully masked
@@ -199,7 +196,7 @@ def _block_cases():
         Case("empty blocks and a fully masked row", holes, 3,
              note="row 3 is all -inf; rows 1 and 4 have blocks that are all -inf"),
         Case("large logits", x * 40 + 2000, 6),
-        Case("random, wide", torch.randn(3, 200, generator=g), 16),
+        Case("random, wide", torch.randn(3, 200, generator=rng), 16),
     ]
 
 
@@ -213,6 +210,7 @@ def _blockwise_ref_dropping_last(c):
 
 
 def _blockwise_no_rescale(c):
+    """Each block's l (against its own max) added as it is."""
     x, Bc = c.args
     l = torch.zeros(x.shape[0], dtype=torch.float64)
     m = torch.full((x.shape[0],), NEG_INF, dtype=torch.float64)
@@ -223,6 +221,20 @@ def _blockwise_no_rescale(c):
     return l
 
 
+def _blockwise_old_l_not_rescaled(c):
+    """The block summed against the new max, but the running l never multiplied by exp(m_old - m_new)."""
+    x, Bc = c.args
+    x = x.double()
+    l = torch.zeros(x.shape[0], dtype=torch.float64)
+    m = torch.full((x.shape[0],), NEG_INF, dtype=torch.float64)
+    for j in range(0, x.shape[1], Bc):
+        block = x[:, j:j + Bc]                                           # [R, <=Bc]
+        m = torch.maximum(m, block.amax(1))
+        m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        l = l + torch.exp(block - m_safe[:, None]).sum(1)
+    return l
+
+
 @exercise("blockwise_stats", arg_names=["x", "Bc"], reference="torch.logsumexp")
 def blockwise_stats(g):
     bugs = [
@@ -230,13 +242,16 @@ def blockwise_stats(g):
             _blockwise_ref_dropping_last),
         Bug("each block's l was added as it is: rescale the running l and the block's l to the new max "
             "(that is merge_ml)", _blockwise_no_rescale),
+        Bug("the running l was not rescaled when the max grew: the block is summed against the new max, but "
+            "the old l was summed against the old one; multiply it by exp(m_old - m_new) first "
+            "(merge_ml does both)", _blockwise_old_l_not_rescaled),
     ]
     for case in _block_cases():
         x, Bc = case.args
         out = g.call(case)
         m_got, l_got = g.expect_tuple(out, 2, "(m, l)")
-        g.expect_tensor(m_got, "m", shape=(x.shape[0],), dtype=torch.float32)
-        g.expect_tensor(l_got, "l", shape=(x.shape[0],), dtype=torch.float32)
+        g.expect_tensor(m_got, "m", shape=(x.shape[0],), dtype=x.dtype)
+        g.expect_tensor(l_got, "l", shape=(x.shape[0],), dtype=x.dtype)
         m_ref, l_ref = reference.softmax_stats(x)
         g.compare(m_got, m_ref, "m", hint="m is the row max over all blocks")
         g.compare(l_got, l_ref, "l", rtol=1e-5, bugs=bugs,
@@ -272,10 +287,10 @@ def _blocks_only(g):
 
 # ------------------------------------------------------------------ lse_from_stats
 def _lse_cases():
-    g = _gen(6)
+    rng = _gen(6)
     t = torch.tensor
     return [
-        Case("random", torch.randn(16, generator=g), torch.rand(16, generator=g) * 10 + 1),
+        Case("random", torch.randn(16, generator=rng), torch.rand(16, generator=rng) * 10 + 1),
         Case("l = 1 (one dominant element)", t([0.0, 3.0, -2.0]), t([1.0, 1.0, 1.0])),
         Case("empty rows (-inf, 0)", t([NEG_INF, 2.0, NEG_INF]), t([0.0, 3.0, 0.0])),
         Case("large m (exp(m) overflows)", t([1e4, 5e3, -1e4]), t([2.0, 7.0, 1.5])),
@@ -286,13 +301,20 @@ def _lse_cases():
 def lse_from_stats(g):
     bugs = [
         Bug("that is the row max m, not the LSE: lse = m + log(l)", lambda c: c.args[0]),
-        Bug("that is log2: the course's lse is the natural log, m + ln(l)",
+        Bug("that is m + log2(l): the course's lse is the natural log, lse = m + torch.log(l) "
+            "(m is already in natural-log units: it is a max of the x_i)",
+            lambda c: c.args[0].double() + torch.log2(c.args[1].double())),
+        Bug("that is log2 of the sum: the course's lse is the natural log, m + ln(l)",
             lambda c: (c.args[0].double() + torch.log(c.args[1].double())) / math.log(2)),
         Bug("that is log(l) alone: add m back, lse = m + log(l)", lambda c: torch.log(c.args[1].double())),
+        Bug("that is m + l: the LSE adds the log of l, lse = m + log(l)",
+            lambda c: c.args[0].double() + c.args[1].double()),
     ]
     for case in _lse_cases():
         out = g.call(case)
-        lse = g.expect_tensor(out, "lse", shape=case.args[0].shape, dtype=torch.float32)
+        lse = g.expect_tensor(out, "lse", shape=case.args[0].shape, dtype=case.args[0].dtype)
+        large = "large" in case.name
         g.compare(lse, reference.lse_from_stats(*case.args), "lse", rtol=1e-6, bugs=bugs,
-                  hint="log(exp(m) * l) overflows for large m: use m + log(l)")
+                  hint="log(exp(m) * l) overflows for large m: use m + log(l)" if large else
+                       "lse = m + log(l), natural log, elementwise")
         g.count()

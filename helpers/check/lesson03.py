@@ -12,8 +12,9 @@ import torch
 
 from .. import reference
 from ..checking import Bug, Case, exercise
-from .lesson02 import (ATOL, IDEA_BC, IDEA_D, IDEA_N, RTOL, attention_cases, check_tiles_only, idea_case,
-                       measure_case, o_bugs, tiled_model)
+from ._common import ATOL, RTOL, attention_cases, check_o_lse, o_bugs, tiled_model
+# The metered idea checks shared with V1 (to move into _common next):
+from .lesson02 import IDEA_BC, IDEA_D, IDEA_N, check_tiles_only, idea_case, measure_case
 
 
 def _scores(c):
@@ -48,32 +49,28 @@ def flash_attn_v2(g):
     bugs_o, bugs_lse = o_bugs(), lse_bugs()
     for case in attention_cases():
         q, k, v = case.args
-        N = q.shape[0]
         out = g.call(case)
-        O, lse = g.expect_tuple(out, 2, "(O, lse)")
-        g.expect_tensor(O, "O", shape=(N, v.shape[1]), dtype=torch.float32)
-        g.expect_tensor(lse, "lse", shape=(N,), dtype=torch.float32)
-        O_ref, lse_ref = reference.attention(q, k, v)
-        g.compare(O, O_ref, "O", rtol=RTOL, atol=ATOL, bugs=bugs_o,
-                  nan_hint="NaN in O: at the first KV block m_old = -inf; take m_new from the tile before "
-                           "computing exp(m_old - m_new), and divide by l only after the KV loop",
-                  hint="acc = alpha * acc + P_ij @ V_j with P_ij = exp(S_ij - m_new), then O_i = acc / l "
-                       "after the KV loop")
-        g.compare(lse, lse_ref, "lse", rtol=RTOL, atol=ATOL, bugs=bugs_lse,
-                  hint="lse = m + log(l) per row, natural log, after the KV loop")
+        check_o_lse(g, out, reference.attention(q, k, v), dtype=q.dtype, o_tol=(RTOL, ATOL), lse_tol=(RTOL, ATOL),
+                    o_bugs=bugs_o, lse_bugs=bugs_lse, lse_nan_hint="",
+                    o_nan_hint="NaN in O: at the first KV block m_old = -inf; take m_new from the tile before "
+                               "computing exp(m_old - m_new), and divide by l only after the KV loop",
+                    o_hint="acc = alpha * acc + P_ij @ V_j with P_ij = exp(S_ij - m_new), then O_i = acc / l "
+                           "after the KV loop",
+                    lse_hint="lse = m + log(l) per row, natural log, after the KV loop")
         g.count()
 
     # the idea: Q read once, O written once, tiles only
     case = idea_case()
     r = measure_case(g, case)
     check_tiles_only(g, r, case)
-    q_bytes = o_bytes = IDEA_N * IDEA_D * 4
+    esize = case.args[0].element_size()
+    q_bytes = o_bytes = IDEA_N * IDEA_D * esize
     n_kv = math.ceil(case.args[1].shape[0] / IDEA_BC)
     read_q = r.reads.get("q", 0)
     written_o = r.writes.get("out0", 0)
     # everything written except lse (and at most an m and an l of N each): O once
     written_rest = r.hbm_write_bytes - r.writes.get("out1", 0)
-    o_times = max(written_o, written_rest - 2 * IDEA_N * 4) / o_bytes
+    o_times = max(written_o, written_rest - 2 * IDEA_N * esize) / o_bytes
     q_times = read_q / q_bytes
     if q_times > 1 and o_times > 1:
         g.fail(f"q was read {q_times:g} times from HBM and O written {o_times:g} times ({n_kv} KV blocks); "

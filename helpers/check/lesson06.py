@@ -14,12 +14,9 @@ import torch
 from .. import reference
 from ..checking import Bug, Case, exercise
 from ..lesson06 import make_paged_cache, split_bounds
+from ._common import NEG_INF, check_o_lse, gen
 
-NEG_INF = -math.inf
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+_gen = gen
 
 
 # ------------------------------------------------------------------ shared models
@@ -59,18 +56,19 @@ def _combine64(o_parts, lse_parts):
 
 # ------------------------------------------------------------------ combine_splits
 def _split_case(name, H, Nk, d, S, seed, scale=1.0, note=""):
-    """Partials of real attention over S splits of a cache (float32), so the answer is attention."""
-    g = _gen(seed)
-    q = torch.randn(H, d, generator=g) * scale
-    k, v = torch.randn(H, Nk, d, generator=g), torch.randn(H, Nk, d, generator=g)
+    """Partials of real attention over S splits of a cache (default dtype), so the answer is attention."""
+    rng = _gen(seed)
+    q = torch.randn(H, d, generator=rng) * scale
+    k, v = torch.randn(H, Nk, d, generator=rng), torch.randn(H, Nk, d, generator=rng)
     o64, lse64 = _partials64(q, k, v, split_bounds(Nk, S))
-    c = Case(name, o64.float(), lse64.float(), note=note)
+    dt = torch.get_default_dtype()
+    c = Case(name, o64.to(dt), lse64.to(dt), note=note)
     c.want = _ref_decode(q, k, v)
     return c
 
 
 def _combine_cases():
-    g = _gen(11)
+    rng = _gen(11)
     cases = [
         _split_case("4 splits of real attention", H=3, Nk=40, d=8, S=4, seed=1),
         _split_case("1 split (nothing to combine)", H=2, Nk=9, d=4, S=1, seed=2),
@@ -81,8 +79,8 @@ def _combine_cases():
     ]
     # synthetic partials: lse far apart, huge, and heads with every split empty
     S, H, d = 5, 6, 7
-    o = torch.randn(S, H, d, generator=g)
-    lse = torch.randn(S, H, generator=g) * 3
+    o = torch.randn(S, H, d, generator=rng)
+    lse = torch.randn(S, H, generator=rng) * 3
     far = lse.clone()
     far[:, 0] = torch.tensor([0.0, 30.0, -30.0, 5.0, 29.0])
     cases.append(Case("lse far apart", o, far))
@@ -160,27 +158,22 @@ def combine_splits(g):
     bugs, lse_bugs = _combine_bugs(), _combine_lse_bugs()
     for case in _combine_cases():
         o_parts, lse_parts = case.args
-        S, H, d = o_parts.shape
         out = g.call(case)
-        O, lse = g.expect_tuple(out, 2, "(O, lse)")
-        g.expect_tensor(O, "O", shape=(H, d), dtype=torch.float32)
-        g.expect_tensor(lse, "lse", shape=(H,), dtype=torch.float32)
-        o_ref, lse_ref = getattr(case, "want", None) or _combine64(o_parts, lse_parts)
-        nan_hint = _combine_nan_hint(case)
-        g.compare(lse, lse_ref, "lse", rtol=1e-5, atol=1e-5, bugs=lse_bugs, nan_hint=nan_hint,
-                  hint="lse = m + log(sum_s exp(lse_s - m)) with m = max_s lse_s")
         # float32 holds lse ~ 1000 to ~6e-5, so exp(lse_s - lse) carries that relative error
         rtol = 5e-4 if "huge" in case.name else 1e-4
-        g.compare(O, o_ref, "O", rtol=rtol, atol=1e-5, bugs=bugs, nan_hint=nan_hint,
-                  hint="O = sum_s exp(lse_s - lse) * O_s")
+        check_o_lse(g, out, getattr(case, "want", None) or _combine64(o_parts, lse_parts), dtype=o_parts.dtype,
+                    o_tol=(rtol, 1e-5), lse_tol=(1e-5, 1e-5), o_bugs=bugs, lse_bugs=lse_bugs,
+                    nan_hint=_combine_nan_hint(case), lse_first=True,
+                    o_hint="O = sum_s exp(lse_s - lse) * O_s",
+                    lse_hint="lse = m + log(sum_s exp(lse_s - m)) with m = max_s lse_s")
         g.count()
 
 
 # ------------------------------------------------------------------ flash_decode
 def _decode_case(name, H, Hkv, Nk, d, S, seed, scale=1.0, note=""):
-    g = _gen(seed)
-    q = torch.randn(H, d, generator=g) * scale
-    k, v = torch.randn(Hkv, Nk, d, generator=g), torch.randn(Hkv, Nk, d, generator=g)
+    rng = _gen(seed)
+    q = torch.randn(H, d, generator=rng) * scale
+    k, v = torch.randn(Hkv, Nk, d, generator=rng), torch.randn(Hkv, Nk, d, generator=rng)
     return Case(name, q, k, v, num_splits=S, note=note)
 
 
@@ -244,6 +237,13 @@ def _decode_bugs():
 
 _EMPTY_SPLIT_NAN = ("NaN: a split with no keys (more splits than keys) must give O_s = 0 and lse_s = -inf; "
                     "skip it (or give it those values) instead of taking the max and the softmax of nothing")
+_EMPTY_SPLIT_ERROR = ("with more splits than keys (or pages) some splits hold nothing: guard them (`if start >= end: "
+                      "continue`, leaving O_s = 0 and lse_s = -inf, which combine_splits weighs 0) instead of "
+                      "taking the max and the softmax of an empty slice")
+
+
+def _error_hint(case):
+    return _EMPTY_SPLIT_ERROR if "more splits than" in case.name else ""
 
 
 @exercise("flash_decode", arg_names=["q", "k", "v"], reference="float64 SDPA over the whole cache")
@@ -251,16 +251,11 @@ def flash_decode(g):
     o_bugs, lse_bugs = _decode_bugs()
     for case in _decode_cases():
         q, k, v = case.args
-        H, d = q.shape
-        out = g.call(case)
-        O, lse = g.expect_tuple(out, 2, "(O, lse)")
-        g.expect_tensor(O, "O", shape=(H, d), dtype=torch.float32)
-        g.expect_tensor(lse, "lse", shape=(H,), dtype=torch.float32)
-        o_ref, lse_ref = _ref_decode(q, k, v)
-        g.compare(O, o_ref, "O", rtol=1e-4, atol=1e-5, bugs=o_bugs, nan_hint=_EMPTY_SPLIT_NAN,
-                  hint="each split: softmax(q k_s^T * qk_scale) v_s with its lse_s; then combine_splits")
-        g.compare(lse, lse_ref, "lse", rtol=1e-5, atol=1e-5, bugs=lse_bugs, nan_hint=_EMPTY_SPLIT_NAN,
-                  hint="lse = logsumexp over all keys of q k^T * qk_scale (natural log)")
+        out = g.call(case, error_hint=_error_hint(case))
+        check_o_lse(g, out, _ref_decode(q, k, v), dtype=q.dtype, o_tol=(1e-4, 1e-5), lse_tol=(1e-5, 1e-5),
+                    o_bugs=o_bugs, lse_bugs=lse_bugs, nan_hint=_EMPTY_SPLIT_NAN,
+                    o_hint="each split: softmax(q k_s^T * qk_scale) v_s with its lse_s; then combine_splits",
+                    lse_hint="lse = logsumexp over all keys of q k^T * qk_scale (natural log)")
         g.count()
     _decode_idea(g)
 
@@ -269,7 +264,7 @@ def _decode_idea(g):
     """Split the cache (no score row over all of it) and read each KV head once per group."""
     H, Hkv, Nk, d, S = 4, 1, 96, 4, 8
     gen = _gen(31)
-    q, k, v = torch.randn(H, d, generator=gen), torch.randn(Hkv, Nk, d, generator=gen), \
+    q, k, v = torch.randn(H, d, generator=gen), torch.randn(Hkv, Nk, d, generator=gen),\
         torch.randn(Hkv, Nk, d, generator=gen)
     r = g.measure(Case(f"metered: H={H} query heads on one KV head, Nk={Nk}, num_splits={S}", q, k, v,
                        num_splits=S), names=["q", "k", "v"])
@@ -296,9 +291,9 @@ def _decode_idea(g):
 
 # ------------------------------------------------------------------ flash_decode_paged
 def _paged_case(name, H, Hkv, Nk, d, page_size, S, seed, scale=1.0, extra_pages=3, pad_table=0, note=""):
-    g = _gen(seed)
-    q = torch.randn(H, d, generator=g) * scale
-    k, v = torch.randn(Hkv, Nk, d, generator=g), torch.randn(Hkv, Nk, d, generator=g)
+    rng = _gen(seed)
+    q = torch.randn(H, d, generator=rng) * scale
+    k, v = torch.randn(Hkv, Nk, d, generator=rng), torch.randn(Hkv, Nk, d, generator=rng)
     k_pages, v_pages, table, seqlen = make_paged_cache(k, v, page_size, extra_pages=extra_pages + pad_table,
                                                        seed=seed)
     if pad_table:  # the library's table is [B, max_pages]: entries past the sequence's pages are junk
@@ -371,17 +366,12 @@ def flash_decode_paged(g):
     o_bugs, lse_bugs = _paged_bugs()
     for case in _paged_cases():
         q = case.args[0]
-        H, d = q.shape
-        out = g.call(case)
-        O, lse = g.expect_tuple(out, 2, "(O, lse)")
-        g.expect_tensor(O, "O", shape=(H, d), dtype=torch.float32)
-        g.expect_tensor(lse, "lse", shape=(H,), dtype=torch.float32)
-        o_ref, lse_ref = _ref_decode(q, *case.contiguous)
-        g.compare(O, o_ref, "O", rtol=1e-4, atol=1e-5, bugs=o_bugs, nan_hint=_EMPTY_SPLIT_NAN,
-                  hint="the same answer as flash_decode on the contiguous cache: logical page p of the "
-                       "sequence is physical page block_table[p]")
-        g.compare(lse, lse_ref, "lse", rtol=1e-5, atol=1e-5, bugs=lse_bugs, nan_hint=_EMPTY_SPLIT_NAN,
-                  hint="lse over the seqlen real tokens")
+        out = g.call(case, error_hint=_error_hint(case))
+        check_o_lse(g, out, _ref_decode(q, *case.contiguous), dtype=q.dtype, o_tol=(1e-4, 1e-5),
+                    lse_tol=(1e-5, 1e-5), o_bugs=o_bugs, lse_bugs=lse_bugs, nan_hint=_EMPTY_SPLIT_NAN,
+                    o_hint="the same answer as flash_decode on the contiguous cache: logical page p of the "
+                           "sequence is physical page block_table[p]",
+                    lse_hint="lse over the seqlen real tokens")
         g.count()
     _paged_idea(g)
 

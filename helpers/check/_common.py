@@ -1,0 +1,196 @@
+"""Pieces shared by the lessons' checkers (one copy each): tolerances, ``NEG_INF``, the seeded
+inputs, the attention cases, the tiled bug models and the ``(O, lse)`` comparison.
+
+A lesson's checker imports from here and from ``helpers.lessonNN`` (its plain functions), never
+from another lesson's checker. This module registers no exercise (``helpers.check`` imports it
+like any module of the folder) and, like every module here, imports no Triton at module level.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..checking import Bug, Case
+
+__all__ = ["NEG_INF", "RTOL", "ATOL", "gen", "qkv", "tiles", "attention_cases", "tiled_model", "o_bugs",
+           "masked_tiled_model", "check_o_lse"]
+
+NEG_INF = -math.inf
+
+# float32 tiles against a float64 reference: a few rounding steps per KV block.
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def gen(seed: int) -> torch.Generator:
+    """A seeded CPU generator: every checker's cases are the same on every run."""
+    return torch.Generator().manual_seed(seed)
+
+
+def qkv(N, Nk, d, generator, qmul=1.0):
+    """Seeded per-head inputs in the default dtype: q [N, d] (times ``qmul``), k and v [Nk, d]."""
+    q = torch.randn(N, d, generator=generator) * qmul
+    k = torch.randn(Nk, d, generator=generator)
+    v = torch.randn(Nk, d, generator=generator)
+    return q, k, v
+
+
+def tiles(case, Br=4, Bc=3):
+    """A case's (Br, Bc), with the exercises' defaults."""
+    return case.kwargs.get("Br", Br), case.kwargs.get("Bc", Bc)
+
+
+def attention_cases():
+    """Random and adversarial (q, k, v, Br, Bc) cases for the per-head CPU kernels (no mask)."""
+    rng = gen(20)
+    cases = [
+        Case("the lesson's walk-through: N = Nk = 6, d = 4, Br = 4, Bc = 3 (ragged last Q block)",
+             *qkv(6, 6, 4, rng), Br=4, Bc=3),
+        Case("N = 1 (one query, decoding)", *qkv(1, 9, 8, rng), Br=4, Bc=3),
+        Case("Nk = 1 (one key)", *qkv(5, 1, 4, rng), Br=2, Bc=3),
+        Case("Nk != N, neither a multiple of its tile", *qkv(7, 11, 4, rng), Br=4, Bc=3),
+        Case("tiles larger than the input", *qkv(5, 3, 4, rng), Br=16, Bc=16),
+        Case("odd head dim d = 5", *qkv(9, 10, 5, rng), Br=4, Bc=3),
+        Case("Br = Bc = 1 (every tile a single score)", *qkv(4, 5, 3, rng), Br=1, Bc=1),
+        Case("large logits (q scaled by 40)", *qkv(10, 13, 8, rng, qmul=40.0), Br=4, Bc=3,
+             note="exp overflows unless each tile subtracts its running max"),
+        Case("random, larger", *qkv(45, 67, 8, rng), Br=8, Bc=16),
+    ]
+    # the max moves at every KV block: scores grow with the key index, so every step rescales
+    N, Nk, d = 6, 12, 4
+    q = torch.rand(N, d, generator=rng) + 0.5
+    k = (torch.arange(float(Nk))[:, None] * 0.9).expand(Nk, d).contiguous()
+    v = torch.randn(Nk, d, generator=rng)
+    cases.append(Case("the max grows at every KV block (alpha < 1 at each step)", q, k, v, Br=4, Bc=3,
+                      note="scores rise with the key index, so each new block holds a larger max"))
+    cases.append(Case("the max is in the first KV block", q, k.flip(0).contiguous(), v, Br=4, Bc=3))
+    return cases
+
+
+# ------------------------------------------------------------------ the online-softmax tiled model (float64)
+def tiled_model(q, k, v, Br, Bc, *, scale=None, bug=None):
+    """The tiled loop in float64 with one planted mistake; returns (O, lse).
+
+    bug: None, "no_l_back" (V1: forgot to multiply the old O by the old l), "no_alpha" (the old
+    O not rescaled by alpha), "no_alpha_l" (l not rescaled), "no_divide" (O never divided by l),
+    "drop_ragged" (the last, partial tiles skipped).
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    N, d = q.shape
+    Nk = k.shape[0]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    O = torch.zeros(N, v.shape[1], dtype=torch.float64)
+    lse = torch.full((N,), -math.inf, dtype=torch.float64)
+    n_rows = N - N % Br if bug == "drop_ragged" else N
+    n_cols = Nk - Nk % Bc if bug == "drop_ragged" else Nk
+    for i in range(0, n_rows, Br):
+        Qi = q[i:i + Br]
+        acc = torch.zeros(Qi.shape[0], v.shape[1], dtype=torch.float64)
+        m = torch.full((Qi.shape[0],), -math.inf, dtype=torch.float64)
+        l = torch.zeros(Qi.shape[0], dtype=torch.float64)
+        for j in range(0, n_cols, Bc):
+            S = Qi @ k[j:j + Bc].T * scale
+            m_new = torch.maximum(m, S.amax(1))
+            P = torch.exp(S - m_new[:, None])
+            alpha = torch.exp(m - m_new)
+            l_new = (l if bug == "no_alpha_l" else alpha * l) + P.sum(1)
+            if bug == "no_l_back":      # V1's normalised O without the old l: (alpha O + P V) / l_new
+                acc = (alpha[:, None] * acc + P @ v[j:j + Bc]) / l_new[:, None]
+            elif bug == "no_alpha":     # keep acc normalised like V1, forgetting alpha
+                acc = ((l)[:, None] * acc + P @ v[j:j + Bc]) / l_new[:, None]
+            elif bug == "no_divide":
+                acc = alpha[:, None] * acc + P @ v[j:j + Bc]
+            else:                       # normalised running O (V1's form)
+                acc = ((alpha * l)[:, None] * acc + P @ v[j:j + Bc]) / l_new[:, None]
+            m, l = m_new, l_new
+        O[i:i + Br] = acc
+        lse[i:i + Br] = m + torch.log(l)
+    return O, lse
+
+
+def o_bugs():
+    """The Bug models of the output O (shared by V1 and V2)."""
+    def kw(c):
+        return c.kwargs.get("Br", 4), c.kwargs.get("Bc", 3)
+
+    def model(bug=None, scale=None):
+        return lambda c: tiled_model(*c.args, *kw(c), bug=bug,
+                                     scale=None if scale is None else scale(c.args[0].shape[1]))[0]
+    return [
+        Bug("the old O was not multiplied back by the old l: O is stored normalised (divided by l), so "
+            "O_new = (alpha * l_old * O_old + exp(m_blk - m_new) * P_ij @ V_j) / l_new", model("no_l_back")),
+        Bug("the old O (or acc) was not rescaled when the max grew: multiply it by alpha = exp(m_old - m_new) "
+            "(V2: acc = alpha * acc + P_ij @ V_j)",
+            model("no_alpha")),
+        Bug("the running l was not rescaled when the max grew: l_new = alpha * l_old + rowsum(P_ij)",
+            model("no_alpha_l")),
+        Bug("O was never divided by l: the sum of exp(S - m) @ V is unnormalised; divide by l "
+            "(V1: at each step; V2: once, after the KV loop)", model("no_divide")),
+        Bug("the scores are not scaled by 1/sqrt(d): S_ij = Qi @ Kj.T * (1 / sqrt(d))", model(scale=lambda d: 1.0)),
+        Bug("the scale is 1/sqrt(d), not 1/d", model(scale=lambda d: 1.0 / d)),
+        Bug("the scale is 1/sqrt(d), not sqrt(d)", model(scale=lambda d: math.sqrt(d))),
+        Bug("the last, ragged tiles were skipped: range(0, N, Br) with q[i:i+Br] (and range(0, Nk, Bc)) "
+            "covers them", model("drop_ragged")),
+    ]
+
+
+# ------------------------------------------------------------------ a tiled model, with knobs for bugs
+def masked_tiled_model(q, k, v, vis, Br, Bc, *, computed=None, applied=None, fill=NEG_INF, partial_mask=None):
+    """What a tiled kernel outputs, in float64: (O, lse).
+
+    ``vis`` bool [N, Nk] is the truth; for each tile, ``computed(tile_vis)`` says whether the
+    kernel computes it (default: it has a visible key) and ``applied(tile_vis)`` is the mask
+    it applies (default: the truth), with masked scores set to ``fill``. ``partial_mask(i0, j0,
+    br, bc)``, if given, is the mask a kernel builds for a tile that is partial (some, not all,
+    of its keys visible); full tiles then get no mask. A row with no finite score left gets
+    O = 0, lse = -inf, as the course's convention says.
+    """
+    computed = computed or (lambda t: bool(t.any()))
+    applied = applied or (lambda t: t)
+    q, k, v = q.double(), k.double(), v.double()
+    N, d = q.shape
+    Nk = k.shape[0]
+    scale = 1.0 / math.sqrt(d)
+    O = torch.zeros(N, v.shape[1], dtype=torch.float64)
+    lse = torch.full((N,), NEG_INF, dtype=torch.float64)
+    for i0 in range(0, N, Br):
+        s_parts, v_parts = [], []
+        for j0 in range(0, Nk, Bc):
+            tv = vis[i0:i0 + Br, j0:j0 + Bc]
+            if not computed(tv):
+                continue
+            s = q[i0:i0 + Br] @ k[j0:j0 + Bc].T * scale
+            if partial_mask is not None:
+                keep = torch.ones_like(tv) if tv.all() else partial_mask(i0, j0, *tv.shape)
+            else:
+                keep = applied(tv)
+            s_parts.append(s.masked_fill(~keep, fill))
+            v_parts.append(v[j0:j0 + Bc])
+        if not s_parts:
+            continue
+        S, V = torch.cat(s_parts, 1), torch.cat(v_parts, 0)
+        row_lse = torch.logsumexp(S, 1)
+        P = torch.where(torch.isneginf(row_lse)[:, None], torch.zeros_like(S), torch.exp(S - row_lse[:, None]))
+        O[i0:i0 + Br] = P @ V
+        lse[i0:i0 + Br] = row_lse
+    return O, lse
+
+
+# ------------------------------------------------------------------ the (O, lse) comparison
+def check_o_lse(g, out, ref, *, dtype, o_tol=(RTOL, ATOL), lse_tol=(1e-5, 1e-4), o_bugs=(), lse_bugs=(),
+                nan_hint="", o_hint="", lse_hint="", o_nan_hint=None, lse_nan_hint=None, lse_first=False):
+    """The tail every (O, lse) checker shares: a 2-tuple, shapes and dtype as the reference's, then
+    ``g.compare`` of each output (lse first when ``lse_first``). Returns (O, lse)."""
+    O_ref, lse_ref = ref
+    O, lse = g.expect_tuple(out, 2, "(O, lse)")
+    g.expect_tensor(O, "O", shape=tuple(O_ref.shape), dtype=dtype)
+    g.expect_tensor(lse, "lse", shape=tuple(lse_ref.shape), dtype=dtype)
+    steps = [
+        lambda: g.compare(O, O_ref, "O", rtol=o_tol[0], atol=o_tol[1], bugs=o_bugs, hint=o_hint,
+                          nan_hint=nan_hint if o_nan_hint is None else o_nan_hint),
+        lambda: g.compare(lse, lse_ref, "lse", rtol=lse_tol[0], atol=lse_tol[1], bugs=lse_bugs, hint=lse_hint,
+                          nan_hint=nan_hint if lse_nan_hint is None else lse_nan_hint),
+    ]
+    for step in (steps[::-1] if lse_first else steps):
+        step()
+    return O, lse
