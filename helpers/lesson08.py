@@ -21,7 +21,7 @@ import torch
 from . import lesson04
 
 __all__ = ["flash_attn_fwd", "attn_bwd_preprocess_ref", "flash_attn_bwd_ref", "flash_attn_bwd_two_pass",
-           "FlashAttentionRef", "usable", "runs", "attention_bhtd", "p_memory", "BwdStep", "bwd_schedule",
+           "FlashAttentionRef", "attention_bhtd", "p_memory", "BwdStep", "bwd_schedule",
            "render_bwd_step", "make_text", "CharData", "TinyGPT", "train", "plot_losses"]
 
 NEG_INF = -math.inf
@@ -182,61 +182,6 @@ class FlashAttentionRef(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_attn_bwd_ref(q, k, v, o, lse, do.contiguous(), ctx.Br, ctx.Bc, ctx.causal)
         return dq, dk, dv, None, None, None
-
-
-def usable(fn, ref, *example, **kwargs):
-    """``fn`` when it runs on the example and agrees with ``ref`` there (to 1e-4), else ``ref``,
-    saying why (with ``helpers.checking.attempted``): cells after an exercise use what this returns."""
-    from .checking import attempted
-    if not attempted(fn, *example, **kwargs):
-        return ref
-    got, want = fn(*example, **kwargs), ref(*example, **kwargs)
-    got = got if isinstance(got, (tuple, list)) else (got,)
-    want = want if isinstance(want, (tuple, list)) else (want,)
-    try:
-        err = max((torch.as_tensor(a).double() - torch.as_tensor(b).double()).abs().max().item()
-                  for a, b in zip(got, want, strict=True))
-    except (RuntimeError, TypeError, ValueError) as e:
-        err, why = math.inf, f" ({e})"
-    else:
-        why = ""
-    if not err <= 1e-4:
-        name = getattr(fn, "__name__", "your function")
-        print(f"({name} differs from the reference by {err:.3g} on this cell's input{why}; this cell uses the "
-              f"reference instead: check.{name} says why)")
-        return ref
-    return fn
-
-
-def runs(fn_class, example=None) -> bool:
-    """True when ``fn_class.apply`` runs forward and backward on a small causal example and its
-    gradients agree with ``FlashAttentionRef``'s; else False, saying why (a cell then uses the
-    reference). Built on ``helpers.checking.attempted``."""
-    from .checking import attempted
-
-    def forward_and_backward(q, k, v):
-        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        o = fn_class.apply(q, k, v, True, 4, 4)
-        o.backward(torch.ones_like(o))
-        if any(t.grad is None for t in (q, k, v)):
-            raise RuntimeError("no gradient reached q, k or v")
-        return o.detach(), q.grad, k.grad, v.grad
-    name = getattr(fn_class, "__name__", "your Function")
-    forward_and_backward.__name__ = name
-    g = torch.Generator().manual_seed(0)
-    example = example or tuple(torch.randn(6, 4, generator=g) for _ in range(3))
-    if not attempted(forward_and_backward, *example):
-        return False
-    got = forward_and_backward(*example)
-    q, k, v = (t.clone().requires_grad_() for t in example)
-    o = FlashAttentionRef.apply(q, k, v, True, 4, 4)
-    o.backward(torch.ones_like(o))
-    err = max((a - b).abs().max().item() for a, b in zip(got, (o.detach(), q.grad, k.grad, v.grad)))
-    if not err <= 1e-4:
-        print(f"({name} gives an output or gradients off by {err:.3g} from the reference's; "
-              f"this cell uses the reference instead: check.{name} says why)")
-        return False
-    return True
 
 
 def attention_bhtd(fn_class, q, k, v, causal=True, Br=16, Bc=16):

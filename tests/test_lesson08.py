@@ -446,26 +446,21 @@ def test_training_with_the_function_matches_sdpa():
     plt.close(L.plot_losses(b, a))
 
 
-def test_runs_falls_back_when_missing_or_wrong(capsys):
-    assert L.runs(L.FlashAttentionRef)
-    assert not L.runs(make_function("swapped"))
-    assert "uses the reference instead" in capsys.readouterr().out
-    assert not L.runs(make_function(None, make_bwd("no_D")))
-
-
-def test_usable_falls_back_when_missing_or_wrong(capsys):
-    g = torch.Generator().manual_seed(0)
-    q, k, v, do = (torch.randn(6, 4, generator=g) for _ in range(4))
-    o, lse = L.flash_attn_fwd(q, k, v, 4, 3)
-    args = (q, k, v, o, lse, do, 4, 3)
-    assert L.usable(bwd_exp2_lists, L.flash_attn_bwd_ref, *args) is bwd_exp2_lists
-    assert L.usable(make_bwd("no_D"), L.flash_attn_bwd_ref, *args) is L.flash_attn_bwd_ref
-    assert "differs from the reference" in capsys.readouterr().out
-
-    def stub(*a):
-        raise NotImplementedError("flash_attn_bwd: replace this line with your code")
-    assert L.usable(stub, L.flash_attn_bwd_ref, *args) is L.flash_attn_bwd_ref
-    assert L.usable(lambda *a: a[0], L.flash_attn_bwd_ref, *args) is L.flash_attn_bwd_ref
+def test_later_cells_use_the_function_only_once_its_check_passed(not_strict, capsys):
+    """08's cells pick the learner's backward and Function through checking.yours_or_reference."""
+    from helpers import check
+    from helpers.checking import CheckFailure, yours_or_reference
+    wrong = make_bwd("no_D")
+    assert yours_or_reference(wrong, L.flash_attn_bwd_ref) is L.flash_attn_bwd_ref   # never checked
+    with pytest.raises(CheckFailure):
+        check.flash_attn_bwd(wrong)
+    assert yours_or_reference(wrong, L.flash_attn_bwd_ref) is L.flash_attn_bwd_ref   # checked, failed
+    check.flash_attn_bwd(bwd_exp2_lists)
+    assert yours_or_reference(bwd_exp2_lists, L.flash_attn_bwd_ref) is bwd_exp2_lists
+    check.FlashAttentionFunction(L.FlashAttentionRef)
+    assert yours_or_reference(L.FlashAttentionRef, None) is L.FlashAttentionRef
+    out = capsys.readouterr().out
+    assert "uses the course's reference" in out and "its check passed" in out
 
 
 def test_learner_notebook_is_generated_from_the_worked_one():
