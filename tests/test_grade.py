@@ -71,8 +71,10 @@ def test_a_wrong_answer_is_a_cross_with_the_checkers_first_line(learner01):
     assert got["merge_ml"].details[0].startswith("case '") and got["merge_ml"].details[-1].startswith("hint: ")
     quiet, loud = (grade.format_table(list(got.values()), width=100, verbose=b) for b in (False, True))
     assert "hint: " not in quiet and got["merge_ml"].details[-1][:40] in loud
-    row = loud.splitlines().index(next(l for l in loud.splitlines() if "merge_ml" in l and "❌" in l))
-    assert loud.splitlines()[row + 1].lstrip().startswith("case '")             # right under its row
+    lines = loud.splitlines()
+    row = lines.index(next(l for l in lines if "merge_ml" in l and "❌" in l))
+    under = [l for l in lines[row + 1:] if l.startswith(" ")]                    # up to the next row
+    assert "values wrong" in " ".join(under[:2]) and any(l.lstrip().startswith("case '") for l in under)
 
 
 def test_a_cell_that_breaks_is_reported_on_the_exercise_it_stops(learner01):
