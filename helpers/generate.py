@@ -45,6 +45,22 @@ DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\(")
 META_KEY = "course"
 
 
+# The first lines of every notebook's first code cell (tests/test_generate.py checks it). Opened outside
+# the course (a copy on its own, another kernel, a hosted notebook service) a notebook stops there with
+# what to do instead of a bare ModuleNotFoundError; IPython shows `_render_traceback_`'s lines alone.
+# A new notebook copies these lines as they are.
+FIRST_CELL_GUARD = '''\
+try:  # the course's own code and packages; a notebook opened outside the course stops here, saying what to do
+    import torch, helpers
+except ModuleNotFoundError as e:
+    e._render_traceback_ = lambda name=e.name: [
+        f"This notebook needs the course's Python environment, and `{name}` is not in this one. Open it "
+        "from the course folder: run `make setup` there, then `make lab` (README.md, section 1). On a "
+        "hosted notebook service, install the course folder into this kernel first: `pip install -e <folder>`."]
+    raise
+'''
+
+
 class GenerateError(Exception):
     pass
 

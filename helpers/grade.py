@@ -164,15 +164,15 @@ def grade_notebook(path: Path, timeout: int = 600, kernel_name: str = "python3")
     verdicts = []
     stop = _stop(nb)
     for index, name in exercises:
-        if name in said:
+        if stop and index > stop[0]:          # Run All stops there; what ran after it (grade runs on) is moot
+            verdicts.append(Verdict(stem, name, "skip", f"not run here: {stop[1]}", folder=folder))
+        elif name in said:
             rec = said[name]
             message = _first_line(rec["message"]).removeprefix(f"{name}:").strip()
             details = _details(rec["message"])
             if rec.get("hint") and not any(d.startswith("hint:") for d in details):
                 details.append(f"hint: {rec['hint']}")
             verdicts.append(Verdict(stem, name, rec["status"], message, details, folder))
-        elif stop and index > stop[0]:
-            verdicts.append(Verdict(stem, name, "skip", f"not run here: {stop[1]}", folder=folder))
         else:
             why = _cell_error(nb.cells[index]) or problem or "the check cell gave no verdict"
             verdicts.append(Verdict(stem, name, "fail", f"not graded: {why}", folder=folder))

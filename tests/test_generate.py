@@ -187,3 +187,14 @@ def test_backups_never_overwrite_each_other_whatever_the_clock(tmp_path, monkeyp
                                          "01_online_softmax.backup-20260101-000000-3.ipynb",
                                          "01_online_softmax.backup-20260101-000000.ipynb"]
     assert sorted(b.read_bytes() for b in backups) == sorted(texts)
+
+
+@pytest.mark.parametrize("folder", ["solutions", "notebooks"])
+def test_every_notebook_starts_with_the_guard_for_a_copy_opened_elsewhere(folder):
+    for p in sorted((ROOT / folder).glob("[0-9][0-9]_*.ipynb")):
+        if ".backup-" in p.name:
+            continue
+        first = next(c for c in nbformat.read(p, as_version=4).cells if c.cell_type == "code")
+        assert first.source.startswith(generate.FIRST_CELL_GUARD), (
+            f"{folder}/{p.name}: its first code cell must begin with helpers.generate.FIRST_CELL_GUARD "
+            "(copy it from there or from any other notebook)")
