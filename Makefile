@@ -3,10 +3,31 @@ SHELL := /bin/bash
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-# This machine has torch 2.13.0 (CPU) on disk; any torch in pyproject's range works.
-TORCH   ?= torch==2.13.0
 NBVAL   := -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600
 export PYTHONPATH := $(CURDIR)
+
+# Which torch `make setup` installs: TORCH (one pip requirement) and, optionally, TORCH_INDEX (an index
+# URL, e.g. PyTorch's CPU-only one). Given on the command line they are installed, replacing the torch
+# there; left out, the venv keeps what the last `make setup` installed (.venv/torch-spec), and a first
+# setup takes torch==2.13.0 (this course's CI machine has its CPU wheel on disk; elsewhere it comes
+# from PyPI, which on Linux is the CUDA build). Any torch in pyproject's range works.
+TORCH_DEFAULT := torch==2.13.0
+TORCH_SPEC    := $(VENV)/torch-spec
+ifeq ($(origin TORCH),undefined)
+  TORCH := $(or $(shell sed -n 1p $(TORCH_SPEC) 2>/dev/null),$(TORCH_DEFAULT))
+  ifeq ($(origin TORCH_INDEX),undefined)
+    TORCH_INDEX := $(shell sed -n 2p $(TORCH_SPEC) 2>/dev/null)
+  endif
+endif
+# One stamp per torch request, so a new TORCH or TORCH_INDEX reinstalls (a checksum: make-safe file name).
+STAMP := $(BIN)/.installed-$(shell printf '%s\n%s\n' '$(TORCH)' '$(TORCH_INDEX)' | cksum | cut -d' ' -f1)
+# JupyterLab defaults for the course's lab only (the venv's settings; the user's own config is untouched).
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.d/flash-attention-course.json
+
+# FORCE=1 (or y, yes, true, on, any case) forces; FORCE=0 (n, no, false, off) or nothing does not.
+lower    = $(shell printf '%s' '$(1)' | tr '[:upper:]' '[:lower:]')
+truthy   = $(if $(filter 1 y yes true on,$(call lower,$(1))),1)
+boolean  = $(if $(filter-out 0 1 n y no yes false true off on,$(call lower,$(1))),$(error $(2)=$(1): use $(2)=1 or $(2)=0),$(call truthy,$(1)))
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lab grade check test notebooks check-notebooks check-solutions run-solutions e2e bench clean
@@ -14,25 +35,35 @@ export PYTHONPATH := $(CURDIR)
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
-setup: $(BIN)/.installed  ## create .venv/ and install everything (one command, fresh machine)
+setup: $(STAMP) $(LAB_OVERRIDES)  ## create .venv/ and install everything (TORCH="torch==..." TORCH_INDEX=URL: another torch)
 
-$(BIN)/.installed: pyproject.toml
+$(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade --quiet pip
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	@if [ -f $(TORCH_SPEC) ] && [ "$$(cat $(TORCH_SPEC))" != "$$(printf '%s\n%s' '$(TORCH)' '$(TORCH_INDEX)')" ]; then \
+	  echo "torch: asked for '$(TORCH)' $(TORCH_INDEX); removing the torch installed before"; \
+	  $(BIN)/python -m pip uninstall --yes --quiet torch; fi
+	$(BIN)/python -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	$(BIN)/python -m ipykernel install --prefix $(VENV) --name python3 --display-name "Python 3 (course)" >/dev/null
+	@printf '%s\n%s\n' '$(TORCH)' '$(TORCH_INDEX)' > $(TORCH_SPEC)
+	@rm -f $(BIN)/.installed $(BIN)/.installed-*
 	@touch $@
+	@$(BIN)/python -c "import torch; print('torch', torch.__version__, '- CUDA available:', torch.cuda.is_available())"
 	@echo "setup done: open the course with 'make lab'"
 
-lab: setup  ## open JupyterLab on notebooks/
+$(LAB_OVERRIDES): jupyterlab-overrides.json | $(STAMP)
+	@mkdir -p $(@D)
+	cp jupyterlab-overrides.json $@
+
+lab: setup  ## open JupyterLab on notebooks/ (the course's lab: no news or update pop-ups)
 	$(BIN)/jupyter lab notebooks/
 
-grade: setup  ## a progress table of your notebooks/ (run headless; files unchanged; NB=<folder> for another)
-	@$(BIN)/python -m helpers.grade $(or $(NB),notebooks)
+grade: setup  ## a progress table of your notebooks/ (run headless; files unchanged; NB=<folder>, VERBOSE=1: hints)
+	@$(BIN)/python -m helpers.grade $(or $(NB),notebooks) $(if $(call boolean,$(VERBOSE),VERBOSE),--verbose)
 
 notebooks: setup  ## regenerate notebooks/ from solutions/ (never overwrites your edits; FORCE=1 backs them up)
-	$(BIN)/python -m helpers.generate $(if $(FORCE),--force)
+	$(BIN)/python -m helpers.generate $(if $(call boolean,$(FORCE),FORCE),--force)
 
 test: setup  ## the unit tests (checkers, planted bugs, generator, meter, kernels under the Triton interpreter)
 	$(BIN)/python -m pytest -q tests

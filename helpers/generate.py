@@ -17,8 +17,11 @@ naming the exercise (the function the region is in, or the name written after
 
 Each generated notebook records a hash of its cell sources in its metadata. A later
 run overwrites a learner notebook only when its sources still have that hash (the
-learner has not edited it); otherwise it refuses and names the file, or, with
-``--force``, moves it to ``NN_name.backup-<time>.ipynb`` first.
+learner has not edited it); otherwise it refuses and names the file (exit code 2), or,
+with ``--force``, first copies it byte for byte to ``NN_name.backup-<time>.ipynb``
+(``-2``, ``-3``, ... when that name is taken: a backup never replaces another). A
+notebook it cannot read (not UTF-8, not JSON, a cell without ``source``) counts as
+edited: refused, or backed up with ``--force``.
 
     python -m helpers.generate                 # solutions/ -> notebooks/
     python -m helpers.generate --out DIR       # somewhere else (the drift test)
@@ -40,6 +43,22 @@ BEGIN = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION[ \t]*(?P<name>\w+)?[ 
 END = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
 DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\(")
 META_KEY = "course"
+
+
+# The first lines of every notebook's first code cell (tests/test_generate.py checks it). Opened outside
+# the course (a copy on its own, another kernel, a hosted notebook service) a notebook stops there with
+# what to do instead of a bare ModuleNotFoundError; IPython shows `_render_traceback_`'s lines alone.
+# A new notebook copies these lines as they are.
+FIRST_CELL_GUARD = '''\
+try:  # the course's own code and packages; a notebook opened outside the course stops here, saying what to do
+    import torch, helpers
+except ModuleNotFoundError as e:
+    e._render_traceback_ = lambda name=e.name: [
+        f"This notebook needs the course's Python environment, and `{name}` is not in this one. Open it "
+        "from the course folder: run `make setup` there, then `make lab` (README.md, section 1). On a "
+        "hosted notebook service, install the course folder into this kernel first: `pip install -e <folder>`."]
+    raise
+'''
 
 
 class GenerateError(Exception):
@@ -88,7 +107,10 @@ def sources_hash(nb) -> str:
 
 def learner_notebook(solution_path: Path):
     """The learner notebook (a NotebookNode) generated from one worked notebook."""
-    nb = nbformat.read(solution_path, as_version=4)
+    try:
+        nb = read_notebook(solution_path)
+    except Unreadable as e:
+        raise GenerateError(f"{solution_path}: {e}") from None
     cells = []
     for i, cell in enumerate(nb.cells):
         tags = cell.get("metadata", {}).get("tags", [])
@@ -126,13 +148,62 @@ def _write(nb, path: Path):
     path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
 
 
-def learner_edited(path: Path) -> bool:
-    """True when the notebook at ``path`` is not exactly what the generator last wrote."""
+class Unreadable(GenerateError):
+    """A notebook file that is not a notebook this tool can read; the message says why."""
+
+
+def read_notebook(path: Path):
+    """The notebook at ``path`` (a NotebookNode), or ``Unreadable`` saying what is wrong with the file."""
     try:
-        nb = nbformat.read(path, as_version=4)
-    except Exception:  # noqa: BLE001 - an unreadable notebook is someone's work too
+        data = path.read_bytes()
+    except OSError as e:
+        raise Unreadable(f"cannot open it ({e.strerror or type(e).__name__})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Unreadable(f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+    try:
+        nb = nbformat.reads(text, as_version=4, capture_validation_error={})   # checked below, not logged
+    except Exception as e:  # noqa: BLE001 - JSON, nbformat and version errors all mean "not a notebook"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise Unreadable(f"not a notebook ({first[:120]})") from None
+    for i, cell in enumerate(nb.get("cells", [])):
+        for key in ("cell_type", "source"):
+            if key not in cell:
+                raise Unreadable(f"cell {i} has no `{key}`")
+        if not isinstance(cell.source, str):
+            raise Unreadable(f"cell {i}'s `source` is not text")
+    return nb
+
+
+def learner_edited(path: Path) -> bool:
+    """True when the notebook at ``path`` is not exactly what the generator last wrote (or is unreadable)."""
+    try:
+        nb = read_notebook(path)
+    except Unreadable:  # an unreadable notebook is someone's work too
         return True
     return nb.metadata.get(META_KEY, {}).get("sources_sha256") != sources_hash(nb)
+
+
+def back_up(path: Path, when: str | None = None) -> Path:
+    """Copy ``path`` byte for byte to ``<stem>.backup-<when>[-k].ipynb``, never replacing a file; return it.
+
+    The name is claimed with an exclusive create, so two backups in the same second (or a clock set
+    back) get ``-2``, ``-3``, ... instead of overwriting each other.
+    """
+    data = path.read_bytes()
+    when = when or time.strftime("%Y%m%d-%H%M%S")
+    for k in range(1, 10_000):
+        backup = path.with_name(f"{path.stem}.backup-{when}{'' if k == 1 else f'-{k}'}.ipynb")
+        try:
+            with open(backup, "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            continue
+        if backup.read_bytes() != data:
+            raise GenerateError(f"the backup {backup} does not match {path}: nothing overwritten")
+        return backup
+    raise GenerateError(f"no free backup name for {path} ({path.stem}.backup-{when}-*.ipynb)")
 
 
 def generate(solutions: Path, out: Path, force: bool = False, log=print) -> list[Path]:
@@ -146,24 +217,35 @@ def generate(solutions: Path, out: Path, force: bool = False, log=print) -> list
         nb = learner_notebook(src)
         dest = out / src.name
         if dest.exists():
-            if nbformat.writes(nb) + "\n" == dest.read_text(encoding="utf-8"):
-                continue  # already up to date
-            if learner_edited(dest):
+            text = nbformat.writes(nb) + "\n"
+            try:
+                if dest.read_bytes() == text.encode("utf-8"):
+                    continue  # already up to date
+            except OSError as e:
+                raise GenerateError(f"{dest}: cannot open it ({e.strerror}); nothing written for it") from None
+            why = ""
+            try:
+                read_notebook(dest)
+            except Unreadable as e:
+                why = str(e)
+            if why or learner_edited(dest):
                 if not force:
-                    refused.append(dest)
+                    refused.append(f"{dest} (cannot read it: {why})" if why else str(dest))
                     continue
-                backup = dest.with_name(f"{dest.stem}.backup-{time.strftime('%Y%m%d-%H%M%S')}.ipynb")
-                dest.rename(backup)
-                log(f"backed up your edited {dest} to {backup.name}")
-        _write(nb, dest)
+                backup = back_up(dest)
+                log(f"backed up your {'unreadable' if why else 'edited'} {dest} to {backup.name}")
+        try:
+            _write(nb, dest)
+        except OSError as e:
+            raise GenerateError(f"{dest}: cannot write it ({e.strerror})") from None
         written.append(dest)
         log(f"wrote {dest}")
     if refused:
-        names = "\n  ".join(str(p) for p in refused)
+        names = "\n  ".join(refused)
         raise GenerateError(
             f"not overwriting notebooks you edited:\n  {names}\n"
             "Your work is untouched. To regenerate anyway, run `make notebooks FORCE=1`: "
-            "each edited notebook is first moved to NN_name.backup-<time>.ipynb.")
+            "each of these is first copied to NN_name.backup-<time>.ipynb.")
     return written
 
 
@@ -177,8 +259,12 @@ def drift(solutions: Path, notebooks: Path) -> list[str]:
         path = notebooks / name
         if not path.exists():
             problems.append(f"{name}: missing from {notebooks}")
-        elif path.read_text(encoding="utf-8") != text:
-            problems.append(f"{name}: differs from its worked notebook (run `make notebooks`)")
+        elif path.read_bytes() != text.encode("utf-8"):
+            try:
+                read_notebook(path)
+                problems.append(f"{name}: differs from its worked notebook (run `make notebooks`)")
+            except Unreadable as e:
+                problems.append(f"{name}: cannot read it: {e}")
     problems += [f"{name}: has no worked notebook in {solutions}" for name in sorted(have - set(want))]
     return problems
 

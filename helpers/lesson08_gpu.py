@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["LOG2E", "reference_grads", "load_results", "load_training", "results_label", "backward_rows",
+__all__ = ["NO_TRITON", "require_triton", "LOG2E", "reference_grads", "load_results", "load_training", "results_label", "backward_rows",
            "backward_table", "geomean_ratio", "plot_backward", "plot_training", "training_summary",
            "RESULTS", "TRAINING"]
 
@@ -149,3 +149,28 @@ def training_summary(rec) -> str:
     return (f"final loss {f['loss'][-1]:.4f} (flash_attention) vs {s['loss'][-1]:.4f} (SDPA); largest per-step "
             f"difference {rec['max_loss_diff']:.4f}; {f['tokens_per_s']:.0f} vs {s['tokens_per_s']:.0f} tokens/s "
             f"({rec['speedup_tokens_per_s']:.2f}x)")
+
+
+# ------------------------------------------------------------------ without Triton (macOS, Windows)
+NO_TRITON = ("Triton is not installed in this Python (PyPI has it for Linux only, not for macOS or Windows), "
+             "so this section's kernels cannot run here: below are the backward results and the training run "
+             "recorded on an NVIDIA H200, and README.md (section 3) says how to run the kernels on Linux or in WSL2.")
+
+
+def require_triton():
+    """Return if ``import triton`` works; otherwise say so, show the recorded H200 backward results
+    and training run, and stop Run All (``lesson07.TritonMissing``: one line, no traceback)."""
+    try:
+        import triton  # noqa: F401 - only whether it imports
+    except ImportError:
+        from .lesson07 import TritonMissing
+        print(NO_TRITON)
+        res, rec = load_results(), load_training()
+        if res is not None and res.get("backward"):
+            print()
+            print(results_label(res))
+            print(backward_table(res))
+        if rec is not None:
+            print()
+            print(training_summary(rec))
+        raise TritonMissing("the rest of this section needs Triton, which this Python does not have") from None

@@ -39,14 +39,23 @@ try:  # host-side TMA descriptors (Hopper and newer); absent in old Triton
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
-__all__ = ["flash_attn_triton", "flash_decode_triton"]
+__all__ = ["flash_attn_triton", "flash_decode_triton", "interpreting"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): converts a base-2 lse back to natural log
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# The values of TRITON_INTERPRET that Triton itself takes as "on" (its getenv_bool: 1, true, on, yes, y,
+# in any case); anything else, or unset, is off. tests/test_learner_machines.py compares with Triton's own.
+TRUTHY = ("1", "true", "on", "yes", "y")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels under its interpreter (TRITON_INTERPRET on, as Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in TRUTHY
+
+
+_interpreting = interpreting
 
 
 # ----------------------------------------------------------------------------

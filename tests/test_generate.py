@@ -107,3 +107,94 @@ def test_cli_check_reports_drift(tmp_path, capsys):
     _edit(target, "\n# drift")
     assert generate.main(["--solutions", str(sol), "--out", str(out), "--check"]) == 1
     assert "differs" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- nothing lost: unreadable notebooks, backups
+NB = "01_online_softmax.ipynb"
+
+
+def _not_utf8(target):
+    target.write_bytes(target.read_bytes().replace(b"online softmax", b"online softmax \xe9t\xe9", 1))
+
+
+def _no_source(target):
+    nb = json.loads(target.read_text())
+    del nb["cells"][1]["source"]
+    target.write_text(json.dumps(nb))
+
+
+@pytest.mark.parametrize("breakage, why", [(_not_utf8, "not UTF-8 text (byte 0xe9"),
+                                           (_no_source, "cell 1 has no `source`"),
+                                           (lambda t: t.write_text("{ not json"), "not a notebook")])
+def test_an_unreadable_learner_notebook_is_refused_by_name(tmp_path, capsys, breakage, why):
+    sol, out, target = _fixture(tmp_path)
+    breakage(target)
+    before = target.read_bytes()
+    nb = nbformat.read(sol / NB, as_version=4)                 # the course changes
+    nb.cells[0].source += "\nA new sentence."
+    nbformat.write(nb, sol / NB)
+    assert generate.main(["--solutions", str(sol), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(target) in err and why in err and "FORCE=1" in err
+    assert target.read_bytes() == before
+    assert not list(out.glob("*.backup-*"))
+
+
+@pytest.mark.parametrize("breakage", [_not_utf8, _no_source])
+def test_force_backs_an_unreadable_notebook_up_byte_for_byte(tmp_path, capsys, breakage):
+    sol, out, target = _fixture(tmp_path)
+    breakage(target)
+    before = target.read_bytes()
+    assert generate.main(["--solutions", str(sol), "--out", str(out), "--force"]) == 0
+    [backup] = out.glob("01_online_softmax.backup-*.ipynb")
+    assert backup.read_bytes() == before
+    assert generate.read_notebook(target).cells[1].source      # a fresh, readable learner notebook
+    assert "unreadable" in capsys.readouterr().out
+
+
+def test_the_cli_names_the_file_with_no_traceback(tmp_path):
+    import subprocess
+    import sys
+    sol, out, target = _fixture(tmp_path)
+    _not_utf8(target)
+    nb = nbformat.read(sol / NB, as_version=4)
+    nb.cells[0].source += "\nA new sentence."
+    nbformat.write(nb, sol / NB)
+    r = subprocess.run([sys.executable, "-m", "helpers.generate", "--solutions", str(sol), "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and str(target) in r.stderr and "Traceback" not in r.stderr + r.stdout
+
+
+def test_drift_reports_an_unreadable_notebook(tmp_path):
+    sol, out, target = _fixture(tmp_path)
+    _no_source(target)
+    assert drift(sol, out) == [f"{NB}: cannot read it: cell 1 has no `source`"]
+
+
+def test_backups_never_overwrite_each_other_whatever_the_clock(tmp_path, monkeypatch):
+    sol, out, target = _fixture(tmp_path)
+    monkeypatch.setattr(generate.time, "strftime", lambda *_: "20260101-000000")   # a clock that stands still
+    texts = []
+    for k in range(3):
+        _edit(target, f"\n# my work {k}")
+        texts.append(target.read_bytes())
+        nb = nbformat.read(sol / NB, as_version=4)
+        nb.cells[0].source += f"\nCourse update {k}."
+        nbformat.write(nb, sol / NB)
+        generate.generate(sol, out, force=True, log=lambda *_: None)
+    backups = sorted(out.glob("01_online_softmax.backup-*.ipynb"))
+    assert [b.name for b in backups] == ["01_online_softmax.backup-20260101-000000-2.ipynb",
+                                         "01_online_softmax.backup-20260101-000000-3.ipynb",
+                                         "01_online_softmax.backup-20260101-000000.ipynb"]
+    assert sorted(b.read_bytes() for b in backups) == sorted(texts)
+
+
+@pytest.mark.parametrize("folder", ["solutions", "notebooks"])
+def test_every_notebook_starts_with_the_guard_for_a_copy_opened_elsewhere(folder):
+    for p in sorted((ROOT / folder).glob("[0-9][0-9]_*.ipynb")):
+        if ".backup-" in p.name:
+            continue
+        first = next(c for c in nbformat.read(p, as_version=4).cells if c.cell_type == "code")
+        assert first.source.startswith(generate.FIRST_CELL_GUARD), (
+            f"{folder}/{p.name}: its first code cell must begin with helpers.generate.FIRST_CELL_GUARD "
+            "(copy it from there or from any other notebook)")

@@ -1,5 +1,6 @@
 """`make grade` (helpers.grade): a report of a learner's notebooks that never changes them."""
 import hashlib
+import json
 import shutil
 
 import nbformat
@@ -74,6 +75,14 @@ def test_a_wrong_answer_is_a_cross_with_the_checkers_first_line(learner01):
     assert got["merge_ml"].status == "fail"
     assert got["merge_ml"].message.startswith("`l` at index (") and "values wrong" in got["merge_ml"].message
     assert got["online_softmax_stats"].status == "todo"
+    # VERBOSE=1: the checker's other lines (the case, the hint) under the row, as the notebook shows them
+    assert got["merge_ml"].details[0].startswith("case '") and got["merge_ml"].details[-1].startswith("hint: ")
+    quiet, loud = (grade.format_table(list(got.values()), width=100, verbose=b) for b in (False, True))
+    assert "hint: " not in quiet and got["merge_ml"].details[-1][:40] in loud
+    lines = loud.splitlines()
+    row = lines.index(next(l for l in lines if "merge_ml" in l and "❌" in l))
+    under = [l for l in lines[row + 1:] if l.startswith(" ")]                    # up to the next row
+    assert "values wrong" in " ".join(under[:2]) and any(l.lstrip().startswith("case '") for l in under)
 
 
 def test_a_cell_that_breaks_is_reported_on_the_exercise_it_stops(learner01):
@@ -100,3 +109,55 @@ def test_report_exits_zero_and_expect_is_a_gate(learner01, capsys):
 def test_a_missing_target_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="neither a folder nor a notebook"):
         grade.main([str(tmp_path / "nope")])
+
+
+def _tiny(path, *cells):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_several_folders_name_the_folder():
+    vs = [grade.Verdict("01_online_softmax", "merge_ml", "todo", "not attempted yet", folder=f)
+          for f in ("notebooks", "tmp/copy")]
+    table = grade.format_table(vs, width=100)
+    assert "notebooks/01_online_softmax" in table and "tmp/copy/01_online_softmax" in table
+    assert "notebooks/" not in grade.format_table(vs[:1], width=100)           # one folder: just the name
+
+
+def test_a_deleted_check_cell_is_listed_not_dropped(learner01):
+    nb = nbformat.read(learner01, as_version=4)
+    nb.cells = [c for c in nb.cells if "check.merge_ml(merge_ml)" not in c.source]
+    nbformat.write(nb, learner01)
+    verdicts = grade.grade_notebook(learner01)
+    assert [v.exercise for v in verdicts] == ["online_softmax_stats", "merge_ml", "blockwise_stats",
+                                              "lse_from_stats"]                  # the course's order
+    got = _by_name(verdicts)
+    assert got["merge_ml"].status == "fail" and got["merge_ml"].message.startswith("check cell missing")
+    assert "check.merge_ml(merge_ml)" in got["merge_ml"].message
+    assert got["blockwise_stats"].status == "todo"
+
+
+def test_a_folder_with_a_malformed_notebook_keeps_the_rest_of_the_table(tmp_path, capsys):
+    nb = json.loads((ROOT / "notebooks" / NB01).read_text())
+    del nb["cells"][1]["source"]                                   # a cell without `source`
+    (tmp_path / NB01).write_text(json.dumps(nb))
+    _tiny(tmp_path / "02_tiny.ipynb", "from helpers import check\n"
+          "def merge_ml(m1, l1, m2, l2):\n    raise NotImplementedError", "check.merge_ml(merge_ml)")
+    assert grade.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("cannot read the notebook: cell 1 has no `source`") == 4   # one row per exercise
+    assert "02_tiny" in out and "⏳ not attempted yet" in out
+    assert "0 ✅  4 ❌  1 ⏳  of 5 exercises" in out
+
+
+def test_exercises_after_a_deliberate_stop_are_skipped_with_its_reason(tmp_path, capsys):
+    nb = _tiny(tmp_path / "07_stops.ipynb",
+               "class TritonMissing(Exception):\n    pass\n"
+               "raise TritonMissing('this notebook needs Triton, which this Python does not have')",
+               "check.flash_attn_triton(flash_attn_triton)")
+    [v] = grade.grade_notebook(nb)
+    assert v.status == "skip" and v.symbol == "➖"
+    assert v.message == "not run here: this notebook needs Triton, which this Python does not have"
+    assert grade.format_table([v]).endswith("0 ✅  0 ❌  0 ⏳  1 ➖  of 1 exercises")

@@ -16,9 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers.triton_attention import flash_attn_triton, flash_decode_triton  # noqa: E402
+from helpers.triton_attention import flash_attn_triton, flash_decode_triton, interpreting  # noqa: E402
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+ON_GPU = torch.cuda.is_available() and not interpreting()
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
 

@@ -1,0 +1,157 @@
+"""The course on learners' machines: without Triton (macOS, Windows), and opened outside the course.
+
+Notebooks run in a real Jupyter kernel (nbclient) started with ``tests/hide_modules`` on PYTHONPATH:
+its ``sitecustomize`` makes ``import triton`` (or ``import helpers``) fail as where it is not installed.
+Lessons 01-06 and 09 must pass strict without Triton; lesson 07 must say so in one sentence, show the
+recorded H200 results and stop, with no traceback; lesson 08 likewise at its GPU section, after its CPU
+exercises passed.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+from packaging.requirements import Requirement
+
+from conftest import ROOT
+from helpers.lesson07 import NO_TRITON
+from helpers.lesson08_gpu import NO_TRITON as NO_TRITON_08
+
+HIDE = ROOT / "tests" / "hide_modules"
+WORKED = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+NOT_A_TRACEBACK = ("Traceback", "File \"", "----> ", "Cell In[")
+
+
+@pytest.fixture
+def hide(monkeypatch):
+    """hide("triton"): kernels started from now on cannot import triton."""
+    def hide(*names):
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HIDE), str(ROOT)]))
+        monkeypatch.setenv("COURSE_TEST_HIDE", ",".join(names))
+    return hide
+
+
+def _run(path: Path, timeout=600):
+    """Execute a copy of the notebook in memory; return it and the CellExecutionError that stopped it."""
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:                        # a worked notebook carries its outputs: start clean
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    try:
+        client.execute()
+    except CellExecutionError as e:
+        return nb, e
+    return nb, None
+
+
+def _outputs(cell, kind):
+    return [o for o in cell.get("outputs", []) if o.get("output_type") == kind]
+
+
+# ------------------------------------------------------------------ the dependency list
+def test_triton_is_a_linux_only_dependency():
+    deps = [Requirement(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    [triton] = [r for r in deps if r.name == "triton"]
+    env = lambda platform: {"sys_platform": platform}  # noqa: E731
+    assert triton.marker is not None, "triton must carry an environment marker: PyPI has no macOS/Windows wheels"
+    assert triton.marker.evaluate(env("linux"))
+    assert not triton.marker.evaluate(env("darwin")) and not triton.marker.evaluate(env("win32"))
+
+
+def test_the_hiding_works(hide):
+    hide("triton")
+    code = ("import importlib.util, torch, helpers.check\n"
+            "assert importlib.util.find_spec('triton') is None\n"
+            "try:\n    import triton\nexcept ModuleNotFoundError as e:\n    print('hidden', e.name)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=os.environ.copy())
+    assert r.returncode == 0 and r.stdout.strip() == "hidden triton", r.stderr
+
+
+# ------------------------------------------------------------------ TRITON_INTERPRET
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "True", "on", "ON", "yes", "Y", "y",
+                                   "0", "false", "off", "no", "", " 1", "2", "enable"])
+def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value):
+    pytest.importorskip("triton")
+    from triton._C.libtriton import getenv_bool      # what Triton itself decides
+    from helpers.triton_attention import interpreting
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreting() == getenv_bool("TRITON_INTERPRET", False), value
+
+
+# ------------------------------------------------------------------ every worked notebook without Triton
+@pytest.mark.parametrize("path", [p for p in WORKED if not p.name.startswith(("07_", "08_"))],
+                         ids=lambda p: p.stem)
+def test_lessons_without_a_gpu_part_pass_strict_without_triton(path, hide, monkeypatch):
+    hide("triton")
+    monkeypatch.setenv("COURSE_STRICT", "1")
+    nb, error = _run(path)
+    assert error is None, f"{path.name} without Triton:\n{error}"
+
+
+def test_lesson_08_without_triton_runs_its_cpu_part_then_shows_the_h200_results_and_stops(hide, monkeypatch):
+    hide("triton")
+    monkeypatch.setenv("COURSE_STRICT", "1")
+    nb, error = _run(ROOT / "solutions" / "08_backward_pass.ipynb")
+    assert error is not None and error.ename == "TritonMissing", error
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    [stop] = [i for i, c in enumerate(code) if _outputs(c, "error")]
+    assert "require_triton()" in code[stop].source and "check.dkdv_inner" not in code[stop].source
+    before = "".join(o.get("text", "") for c in code[:stop] for o in _outputs(c, "stream"))
+    for name in ("attn_bwd_preprocess", "flash_attn_bwd", "FlashAttentionFunction"):   # the CPU exercises ran
+        assert f"✅ {name}:" in before, name
+    text = "".join(o["text"] for o in _outputs(code[stop], "stream") if o["name"] == "stdout")
+    assert text.startswith(NO_TRITON_08 + "\n") and "NVIDIA H200" in text
+    [err] = _outputs(code[stop], "error")
+    assert not any(s in line for line in err["traceback"] for s in NOT_A_TRACEBACK)
+    assert all(not c.get("outputs") for c in code[stop + 1:]), "Run All must stop at the GPU section"
+
+
+@pytest.mark.parametrize("folder", ["solutions", "notebooks"])
+def test_lesson_07_without_triton_says_so_shows_the_h200_results_and_stops(folder, hide):
+    hide("triton")
+    nb, error = _run(ROOT / folder / "07_triton_gpu.ipynb")
+    assert error is not None and error.ename == "TritonMissing", error
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    first = code[0]
+    text = "".join(o["text"] for o in _outputs(first, "stream") if o["name"] == "stdout")
+    assert text.startswith(NO_TRITON + "\n")                                  # the one sentence, first
+    assert "NVIDIA H200" in text and "geomean Triton / flash over N >= 2048:" in text and "decode, GB/s" in text
+    assert len([o for o in _outputs(first, "display_data") if "image/png" in o["data"]]) == 2   # both plots
+    assert not [o for o in _outputs(first, "stream") if o["name"] == "stderr"]
+    [err] = _outputs(first, "error")
+    assert err["traceback"] == ["Run All stops here: the rest of this notebook needs Triton, which this "
+                                "Python does not have."]
+    assert not any(s in line for line in err["traceback"] for s in NOT_A_TRACEBACK)
+    assert all(not c.get("outputs") for c in code[1:]), "Run All must stop at the first cell"
+
+
+def test_make_grade_without_triton_marks_07_as_not_run_here(hide, tmp_path):
+    from helpers import grade
+    hide("triton")
+    shutil.copy(ROOT / "notebooks" / "07_triton_gpu.ipynb", tmp_path)
+    verdicts = grade.grade_notebook(tmp_path / "07_triton_gpu.ipynb")
+    assert [v.exercise for v in verdicts] == ["flash_attn_triton", "flash_decode_triton"]
+    assert all(v.status == "skip" and "needs Triton" in v.message for v in verdicts), verdicts
+
+
+# ------------------------------------------------------------------ opened outside the course
+@pytest.mark.parametrize("missing", ["helpers", "torch"])
+def test_a_notebook_opened_outside_the_course_says_what_to_do(missing, hide, tmp_path):
+    hide(missing)
+    shutil.copy(ROOT / "notebooks" / "01_online_softmax.ipynb", tmp_path)   # a copy on its own
+    nb, error = _run(tmp_path / "01_online_softmax.ipynb")
+    assert error is not None and error.ename == "ModuleNotFoundError"
+    first = next(c for c in nb.cells if c.cell_type == "code")
+    [err] = _outputs(first, "error")
+    shown = "\n".join(err["traceback"])
+    assert f"`{missing}` is not in this one" in shown and "make setup" in shown and "pip install -e" in shown
+    assert not any(s in shown for s in NOT_A_TRACEBACK), shown
