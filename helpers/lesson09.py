@@ -135,14 +135,15 @@ def unshard(parts: list[torch.Tensor], layout: str = "contiguous", dim: int = -2
 
 # ---------------------------------------------------------------------------- one chunk pair
 def chunk_attention(q, k, v, causal=False):
-    """(O, lse) of q ``[B, H, nq, d]`` against k, v ``[B, H, nk, d]``, in float32 on the CPU.
+    """(O, lse) of q ``[B, H, nq, d]`` against k, v ``[B, H, nk, d]``, in float32 (float64 inputs: float64).
 
     ``causal=True`` masks top-left aligned (query i sees keys j <= i), which is what a
     chunk pair on the diagonal needs. Rows that see no key: O = 0, lse = -inf. The same
     contract as ``helpers.triton_attention.flash_attn_triton`` (the per-chunk kernel on GPUs).
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale             # [B, H, nq, nk]
+    acc = torch.promote_types(q.dtype, torch.float32)                   # no copy of a float32/float64 chunk
+    s = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale              # [B, H, nq, nk]
     if causal:
         nq, nk = s.shape[-2:]
         keep = torch.ones(nq, nk, dtype=torch.bool).tril()
@@ -150,7 +151,7 @@ def chunk_attention(q, k, v, causal=False):
     lse = torch.logsumexp(s, dim=-1)                                    # [B, H, nq]
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(s - safe[..., None])                                  # [B, H, nq, nk], 0 where masked
-    return (p @ v.float()).to(q.dtype), lse
+    return (p @ v.to(acc)).to(q.dtype), lse
 
 
 def merge_reference(o_a, lse_a, o_b, lse_b):

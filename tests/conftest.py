@@ -41,7 +41,7 @@ def notebook_namespace(name: str, learner: bool = False) -> dict:
         except SyntaxError:
             continue
         keep = [n for n in tree.body if isinstance(n, _KEEP) or _is_constant_assign(n)]
-        filename = f"<{name} cell {i}>"      # in linecache, as IPython does: inspect.getsource works
+        filename = f"<{name}{' learner' if learner else ''} cell {i}>"   # in linecache, as IPython does: inspect.getsource works
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         exec(compile(ast.Module(body=keep, type_ignores=[]), filename, "exec"), ns)  # noqa: S102
     return ns

@@ -282,7 +282,7 @@ def _safe_max(g) -> bool:
     tile), so this launches ``attn_inner`` in a small kernel that visits the band first. Returns False
     when the learner's launcher has no ``attn_inner`` to test.
     """
-    inner = getattr(g.fn, "__globals__", {}).get("attn_inner")
+    inner = getattr(g.learner_fn, "__globals__", {}).get("attn_inner")
     if inner is None or not hasattr(inner, "fn"):      # not a @triton.jit function
         return False
     BLOCK_M = BLOCK_N = D = 16

@@ -47,18 +47,18 @@ def _meter(g, fn, case, names):
 
 # ------------------------------------------------------------------ attn_bwd_preprocess
 def _pre_cases():
-    g = _gen(80)
+    rng = _gen(80)
     cases = [
-        Case("N = 6, d = 4", torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)),
-        Case("N = 1", torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)),
+        Case("N = 6, d = 4", torch.randn(6, 4, generator=rng), torch.randn(6, 4, generator=rng)),
+        Case("N = 1", torch.randn(1, 8, generator=rng), torch.randn(1, 8, generator=rng)),
         Case("N = d = 5 (a square O: summing over the wrong dimension keeps the shape)",
-             torch.randn(5, 5, generator=g), torch.randn(5, 5, generator=g)),
-        Case("large values (O * 100, dO * 1000)", torch.randn(9, 16, generator=g) * 100,
-             torch.randn(9, 16, generator=g) * 1000),
+             torch.randn(5, 5, generator=rng), torch.randn(5, 5, generator=rng)),
+        Case("large values (O * 100, dO * 1000)", torch.randn(9, 16, generator=rng) * 100,
+             torch.randn(9, 16, generator=rng) * 1000),
     ]
-    o = torch.randn(7, 4, generator=g)
+    o = torch.randn(7, 4, generator=rng)
     o[[0, 3]] = 0.0
-    cases.append(Case("rows of O that are 0 (rows that saw no key)", o, torch.randn(7, 4, generator=g),
+    cases.append(Case("rows of O that are 0 (rows that saw no key)", o, torch.randn(7, 4, generator=rng),
                       note="D = 0 there"))
     return cases
 
@@ -78,7 +78,7 @@ def attn_bwd_preprocess(g):
     ]
     for case in _pre_cases():
         o, do = case.args
-        D = g.expect_tensor(g.call(case), "D", shape=(o.shape[0],), dtype=torch.float32)
+        D = g.expect_tensor(g.call(case), "D", shape=(o.shape[0],), dtype=o.dtype)
         g.compare(D, (o.double() * do.double()).sum(1), "D", rtol=1e-5, atol=1e-4, bugs=bugs,
                   hint="D_i = sum_c dO[i, c] * O[i, c], one number per row")
         g.count()
@@ -96,19 +96,19 @@ def attn_bwd_preprocess(g):
 
 # ------------------------------------------------------------------ flash_attn_bwd
 def _bwd_case(name, q, k, v, do, note="", **kw):
-    """A Case holding (q, k, v, o, lse, do): O and lse from the float64 reference, rounded to float32."""
+    """A Case holding (q, k, v, o, lse, do): O and lse from the float64 reference, in the inputs' dtype."""
     causal, align = kw.get("causal", False), kw.get("align", "top_left")
     O, lse = reference.attention(q, k, v, mask=_mask(q.shape[0], k.shape[0], causal, align))
-    return Case(name, q, k, v, O.float(), lse.float(), do, note=note, **kw)
+    return Case(name, q, k, v, O.to(q.dtype), lse.to(q.dtype), do, note=note, **kw)
 
 
 def bwd_cases():
     """Random and adversarial cases: ragged tiles, N != Nk, one row, large logits, causal both alignments."""
-    g = _gen(83)
+    rng = _gen(83)
 
     def qkvd(N, Nk, d, qmul=1.0):
-        return (torch.randn(N, d, generator=g) * qmul, torch.randn(Nk, d, generator=g),
-                torch.randn(Nk, d, generator=g), torch.randn(N, d, generator=g))
+        return (torch.randn(N, d, generator=rng) * qmul, torch.randn(Nk, d, generator=rng),
+                torch.randn(Nk, d, generator=rng), torch.randn(N, d, generator=rng))
 
     empty = "bottom-right with N > Nk: the first N - Nk rows see no key; lse = -inf there, gradients 0"
     return [
@@ -268,11 +268,12 @@ def _bwd_idea(g):
                + (f": as large as the {N} x {Nk} matrix P" if full else ", larger than a [Br, Bc] tile"),
                hint="the full P (or S, dP, dS) materialised: the backward exists so that P is never stored. "
                     "Recompute it one [Br, Bc] tile at a time, P = exp(Qi @ Kj.T * scale - lse_i)")
-    kv = Nk * d * 4
+    esize = q.element_size()                  # bytes per element of the inputs (float32: 4)
+    kv = Nk * d * esize
     read_k, read_v = r.reads.get("k", 0) / kv, r.reads.get("v", 0) / kv
     wrote_k, wrote_v = r.writes.get("out1", 0) / kv, r.writes.get("out2", 0) / kv
     n_q, n_kv = math.ceil(N / Br), math.ceil(Nk / Bc)
-    if (read_k > 1 or read_v > 1) and wrote_k <= 1 and r.writes.get("out0", 0) <= N * d * 4:
+    if (read_k > 1 or read_v > 1) and wrote_k <= 1 and r.writes.get("out0", 0) <= N * d * esize:
         g.fail(f"k and v were read {read_k:g} times and dQ written once: that is the deterministic two-pass "
                "variant (a dK/dV pass, then a dQ pass with Q blocks outside)",
                hint="correct, but it recomputes S and dP in the second pass (3.5x the forward's FLOPs, not 2.5x). "
@@ -332,7 +333,7 @@ def flash_attn_bwd(g):
         out = g.call(case)
         dq, dk, dv = g.expect_tuple(out, 3, "(dq, dk, dv)")
         for t, name, like in ((dq, "dq", q), (dk, "dk", k), (dv, "dv", v)):
-            g.expect_tensor(t, name, shape=like.shape, dtype=torch.float32)
+            g.expect_tensor(t, name, shape=like.shape, dtype=like.dtype)
         _, _, dq_ref, dk_ref, dv_ref = reference_grads(q, k, v, do, causal, align)
         for t, ref, name, b in ((dv, dv_ref, "dv", bugs[2]), (dk, dk_ref, "dk", bugs[1]), (dq, dq_ref, "dq", bugs[0])):
             g.compare(t, ref, name, rtol=RTOL, atol=ATOL, bugs=b, nan_hint=_NAN_HINT,
@@ -346,10 +347,10 @@ def flash_attn_bwd(g):
 
 # ------------------------------------------------------------------ FlashAttentionFunction
 def _fn_cases():
-    g = _gen(85)
+    rng = _gen(85)
 
     def qkvd(N, Nk, d):
-        return tuple(torch.randn(n, d, generator=g) for n in (N, Nk, Nk, N))
+        return tuple(torch.randn(n, d, generator=rng) for n in (N, Nk, Nk, N))
     return [
         Case("not causal, N != Nk, ragged tiles", *qkvd(7, 11, 4), causal=False, Br=4, Bc=3),
         Case("causal, square", *qkvd(9, 9, 8), causal=True, Br=4, Bc=4),
@@ -439,7 +440,7 @@ def FlashAttentionFunction(g):
                    hint="forward returns o (a tensor); call it as FlashAttentionFunction.apply(q, k, v, causal, Br, Bc)")
         o, dq, dk, dv, saved, extra = out
         O_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference_grads(q, k, v, do, causal)
-        g.expect_tensor(o, "o", shape=(N, d), dtype=torch.float32)
+        g.expect_tensor(o, "o", shape=(N, d), dtype=q.dtype)
         g.compare(o, O_ref, "o", rtol=RTOL, atol=ATOL,
                   hint="forward returns o = the attention output (the first of the forward's (o, lse))")
         _check_saved(g, saved, extra, N, Nk, d, lse_ref)

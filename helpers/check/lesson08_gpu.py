@@ -124,12 +124,12 @@ def _bugs():
 
 
 def _cases():
-    g = torch.Generator().manual_seed(808)
+    rng = torch.Generator().manual_seed(808)
     f32, f16 = _dtypes()
 
     def mk(B, H, N, Nk, d, dt, s=1.0):
-        return (_randn(g, B, H, N, d, dtype=dt, scale=s), _randn(g, B, H, Nk, d, dtype=dt),
-                _randn(g, B, H, Nk, d, dtype=dt), _randn(g, B, H, N, d, dtype=dt))
+        return (_randn(rng, B, H, N, d, dtype=dt, scale=s), _randn(rng, B, H, Nk, d, dtype=dt),
+                _randn(rng, B, H, Nk, d, dtype=dt), _randn(rng, B, H, N, d, dtype=dt))
 
     name16 = str(f16).replace("torch.", "")
     return [
@@ -200,7 +200,7 @@ def _compare(g, out, case, bugs_dv, bugs_dk):
 @exercise("dkdv_inner", arg_names=["q", "k", "v", "do"],
           reference="float64 autograd (error <= 2 x SDPA's own + rounding)")
 def dkdv_inner(g):
-    run = _launcher(g.fn)
+    run = _launcher(g.learner_fn)
     bugs_dv, bugs_dk = _bugs()
     for i, case in enumerate(_cases()):
         out = g.call(case, fn=run)

@@ -33,9 +33,9 @@ def _merge64(o_a, lse_a, o_b, lse_b):
 
 
 def _merge_case(name, shape, seed, lse_scale=3.0, note="", edit=None):
-    g = _gen(seed)
-    o_a, o_b = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
-    lse_a, lse_b = (torch.randn(*shape[:-1], generator=g) * lse_scale for _ in range(2))
+    rng = _gen(seed)
+    o_a, o_b = torch.randn(*shape, generator=rng), torch.randn(*shape, generator=rng)
+    lse_a, lse_b = (torch.randn(*shape[:-1], generator=rng) * lse_scale for _ in range(2))
     if edit:
         edit(o_a, lse_a, o_b, lse_b)
     return Case(name, o_a, lse_a, o_b, lse_b, note=note)
@@ -107,8 +107,8 @@ def merge_attention(g):
         o_a, lse_a = case.args[:2]
         out = g.call(case)
         o, lse = g.expect_tuple(out, 2, "(o, lse)")
-        g.expect_tensor(o, "o", shape=o_a.shape, dtype=torch.float32)
-        g.expect_tensor(lse, "lse", shape=lse_a.shape, dtype=torch.float32)
+        g.expect_tensor(o, "o", shape=o_a.shape, dtype=o_a.dtype)
+        g.expect_tensor(lse, "lse", shape=lse_a.shape, dtype=lse_a.dtype)
         o_ref, lse_ref = _merge64(*case.args)
         nan_hint = ("NaN where both sides are empty: exp(-inf - (-inf)) is NaN; use a safe max (0 where it is -inf) "
                     "so both weights are 0, O = 0 and lse = -inf") if "BOTH" in case.name else ""
@@ -209,9 +209,9 @@ def _ring_bug_models(case):
 
 # ------------------------------------------------------------------ ring_attention: the cases
 def _ring_case(name, P, B, H, N, d, causal, layout, seed, scale=1.0, note=""):
-    g = _gen(seed)
-    q = torch.randn(B, H, N, d, generator=g) * scale
-    k, v = torch.randn(B, H, N, d, generator=g), torch.randn(B, H, N, d, generator=g)
+    rng = _gen(seed)
+    q = torch.randn(B, H, N, d, generator=rng) * scale
+    k, v = torch.randn(B, H, N, d, generator=rng), torch.randn(B, H, N, d, generator=rng)
     return Case(name, q, k, v, causal=causal, layout=layout, world_size=P, note=note)
 
 
@@ -251,7 +251,7 @@ def _run_batch(g, P, cases):
 
     def run():
         try:
-            return L.launch(g.fn, jobs, P, timeout=TIME_LIMIT_S)
+            return L.launch(g.learner_fn, jobs, P, timeout=TIME_LIMIT_S)
         except L.ShipError as e:
             g.fail(f"the launcher cannot send your function to the worker processes: {e}")
         except L.RingError as e:
@@ -338,8 +338,8 @@ def ring_attention(g):
             for r, res in enumerate(results):
                 O, lse = g.expect_tuple(res.out, 2, f"(O, lse) from rank {r}")
                 n = N // P
-                g.expect_tensor(O, f"O of rank {r}", shape=(B, H, n, d), dtype=torch.float32)
-                g.expect_tensor(lse, f"lse of rank {r}", shape=(B, H, n), dtype=torch.float32)
+                g.expect_tensor(O, f"O of rank {r}", shape=(B, H, n, d), dtype=q.dtype)
+                g.expect_tensor(lse, f"lse of rank {r}", shape=(B, H, n), dtype=q.dtype)
                 bugs = [Bug(h, _rank_o(m, r)) for h, m in models]
                 rtol = 1e-4 if "large" not in case.name else 5e-4
                 g.compare(O, o_ref_r[r], f"O on rank {r}", rtol=rtol, atol=1e-5, bugs=bugs, nan_hint=_NAN_HINT,
