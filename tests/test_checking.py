@@ -261,10 +261,6 @@ def test_every_name_in_helpers_all_imports():
         assert importlib.import_module(f"helpers.{name}") is getattr(helpers, name)
 
 
-# Imports from another lesson's checker still allowed: the metered idea checks, rewritten on the idea-check
-# branch at the same time; they move into helpers/check/_common.py once it is merged (then empty this).
-PENDING_IDEA_IMPORTS = {"IDEA_BC", "IDEA_D", "IDEA_N", "check_tiles_only", "idea_case", "measure_case",
-                        "check_visible_work"}
 
 
 def test_no_checker_imports_another_lessons_checker():
@@ -273,8 +269,8 @@ def test_no_checker_imports_another_lessons_checker():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 1 and (node.module or "").startswith("lesson"):
-                names = {a.name for a in node.names}
-                assert names <= PENDING_IDEA_IMPORTS, f"{path.name} imports {sorted(names)} from {node.module}"
+                names = sorted(a.name for a in node.names)
+                raise AssertionError(f"{path.name} imports {names} from {node.module}: shared pieces live in _common")
 
 
 def test_one_meaning_for_g_in_the_checkers():

@@ -12,6 +12,7 @@ import math
 import torch
 
 from ..checking import Bug, Case
+from ..lesson04 import visible_tile_flops
 
 __all__ = ["NEG_INF", "RTOL", "ATOL", "gen", "qkv", "tiles", "attention_cases", "tiled_model", "o_bugs",
            "masked_tiled_model", "check_o_lse"]
@@ -194,3 +195,72 @@ def check_o_lse(g, out, ref, *, dtype, o_tol=(RTOL, ATOL), lse_tol=(1e-5, 1e-4),
     for step in (steps[::-1] if lse_first else steps):
         step()
     return O, lse
+
+
+# ------------------------------------------------------------------ the idea, measured
+IDEA_N, IDEA_NK, IDEA_D, IDEA_BR, IDEA_BC = 32, 40, 4, 8, 8
+
+
+def idea_case():
+    q, k, v = qkv(IDEA_N, IDEA_NK, IDEA_D, gen(21))
+    return Case(f"the idea, metered: N = {IDEA_N}, Nk = {IDEA_NK}, d = {IDEA_D}, Br = {IDEA_BR}, Bc = {IDEA_BC}",
+                q, k, v, Br=IDEA_BR, Bc=IDEA_BC)
+
+
+def measure_case(g, case):
+    """Meter one call of the learner's function on copies of ``case``'s inputs (``Grader.measure``)."""
+    return g.measure(case, names=("q", "k", "v"))
+
+
+def check_tiles_only(g, r, case):
+    """No N x Nk score matrix (nor a score strip wider than a tile), and no call to SDPA."""
+    q, k, _ = case.args
+    N, d = q.shape
+    Nk = k.shape[0]
+    Br, Bc = case.kwargs["Br"], case.kwargs["Bc"]
+    sdpa = sorted(op for op in r.ops if "scaled_dot_product" in op or "softmax" in op)
+    if sdpa:
+        g.fail(f"your function calls {', '.join('aten.' + s for s in sdpa)}",
+               hint="the exercise is to build attention from tiles: matmuls, exp, max and sums on "
+                    "[Br, Bc] blocks; SDPA or softmax on the whole row is what FlashAttention replaces")
+    limit = max(Br * Bc, Br * d, Bc * d, N * d, Nk * d, N, Nk)
+    if r.largest.numel > limit:
+        big = r.largest.numel >= N * Nk
+        what = "the whole N x Nk score matrix" if big else "a score block larger than a tile"
+        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by}): {what}; "
+               f"with Br = {Br}, Bc = {Bc}, d = {d} nothing larger than [{Br}, {Bc}] tiles and [N, d] rows is needed",
+               hint="the right output from a materialised score matrix defeats FlashAttention: its point is "
+                    "never writing the N x Nk matrix to HBM. Compute S_ij = Qi @ Kj.T * scale one [Br, Bc] "
+                    "tile at a time and fold it into (m, l, O)")
+
+
+# ------------------------------------------------------------------ the visible-tile work (04, 05)
+# Elementwise work a visible tile may cost besides its two matmuls (4 Br Bc d FLOPs): scaling, masking,
+# max, exp, sum of the scores (per score), rescaling and adding acc (per element of acc), m, l, alpha (per row).
+PER_SCORE, PER_ACC, PER_ROW = 12, 4, 16
+
+
+def check_visible_work(g, r, vis, Br, Bc, d, skip_hint, tile_hint):
+    """Fail unless the metered run ``r`` computed only the tiles of bool ``vis`` [N, Nk] with a visible key.
+
+    Two counts: the matmul FLOPs must not exceed those of the visible tiles, and all FLOPs
+    (matmul + elementwise, so a tile computed as ``(Qi[:, None] * Kj[None]).sum(-1)`` counts
+    too) must stay within the visible tiles' matmuls plus their elementwise allowance. And no
+    tensor half the size of the ``N x Nk`` score matrix. Used by 04 and 05.
+    """
+    N, Nk = vis.shape
+    need = visible_tile_flops(vis, Br, Bc, d)
+    visible = [(min(Br, N - i0), min(Bc, Nk - j0)) for i0 in range(0, N, Br) for j0 in range(0, Nk, Bc)
+               if vis[i0:i0 + Br, j0:j0 + Bc].any()]
+    allowed = need + sum(PER_SCORE * br * bc + PER_ACC * br * d + PER_ROW * br for br, bc in visible)
+    every = 4 * N * Nk * d
+    if r.flops > need:
+        g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "
+               f"(computing every tile costs {every:,})", hint=skip_hint)
+    if r.total_flops > allowed:
+        g.fail(f"your function did {r.total_flops:,} FLOPs ({r.flops:,} in matmuls, {r.elementwise_flops:,} "
+               f"elementwise); the {len(visible)} tiles with a visible key need {need:,} in matmuls and at most "
+               f"{allowed:,} in all (computing every tile costs {every:,} in matmuls alone)", hint=skip_hint)
+    if r.largest.numel >= N * Nk // 2:
+        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by}), "
+               f"as large as the {N} x {Nk} score matrix", hint=tile_hint)

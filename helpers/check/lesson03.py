@@ -12,9 +12,8 @@ import torch
 
 from .. import reference
 from ..checking import Bug, Case, exercise
-from ._common import ATOL, RTOL, attention_cases, check_o_lse, o_bugs, tiled_model
-# The metered idea checks shared with V1 (to move into _common next):
-from .lesson02 import IDEA_BC, IDEA_D, IDEA_N, check_tiles_only, idea_case, measure_case
+from ._common import (ATOL, IDEA_BC, IDEA_D, IDEA_N, RTOL, attention_cases, check_o_lse, check_tiles_only,
+                      idea_case, measure_case, o_bugs, tiled_model)
 
 
 def _scores(c):

@@ -7,14 +7,13 @@ its count of no-op masks one that masks tiles with nothing to mask.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import reference
 from ..checking import Bug, Case, exercise
-from ..lesson04 import CLASSES, visible_tile_flops
-from ._common import NEG_INF, check_o_lse, gen, masked_tiled_model, qkv, tiles  # noqa: F401 - NEG_INF re-exported
+from ..lesson04 import CLASSES
+from ._common import (NEG_INF, check_o_lse, check_visible_work, gen, masked_tiled_model,  # noqa: F401
+                      qkv, tiles)
 
 ALIGNS = ("top_left", "bottom_right")
 tiled_model = masked_tiled_model      # the name lesson 04's tests use
@@ -261,37 +260,6 @@ def _idea(g):
                    hint="full tiles need no mask at all, only tiles cut by the diagonal do; in the Triton kernel "
                         "this is the off-band loop (no mask) and the on-band loop (mask): most tiles are full, "
                         "so the mask's cost should be paid only on the band")
-
-
-# Elementwise work a visible tile may cost besides its two matmuls (4 Br Bc d FLOPs): scaling, masking,
-# max, exp, sum of the scores (per score), rescaling and adding acc (per element of acc), m, l, alpha (per row).
-PER_SCORE, PER_ACC, PER_ROW = 12, 4, 16
-
-
-def check_visible_work(g, r, vis, Br, Bc, d, skip_hint, tile_hint):
-    """Fail unless the metered run ``r`` computed only the tiles of bool ``vis`` [N, Nk] with a visible key.
-
-    Two counts: the matmul FLOPs must not exceed those of the visible tiles, and all FLOPs
-    (matmul + elementwise, so a tile computed as ``(Qi[:, None] * Kj[None]).sum(-1)`` counts
-    too) must stay within the visible tiles' matmuls plus their elementwise allowance. And no
-    tensor half the size of the ``N x Nk`` score matrix. Used by 04 and 05.
-    """
-    N, Nk = vis.shape
-    need = visible_tile_flops(vis, Br, Bc, d)
-    visible = [(min(Br, N - i0), min(Bc, Nk - j0)) for i0 in range(0, N, Br) for j0 in range(0, Nk, Bc)
-               if vis[i0:i0 + Br, j0:j0 + Bc].any()]
-    allowed = need + sum(PER_SCORE * br * bc + PER_ACC * br * d + PER_ROW * br for br, bc in visible)
-    every = 4 * N * Nk * d
-    if r.flops > need:
-        g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "
-               f"(computing every tile costs {every:,})", hint=skip_hint)
-    if r.total_flops > allowed:
-        g.fail(f"your function did {r.total_flops:,} FLOPs ({r.flops:,} in matmuls, {r.elementwise_flops:,} "
-               f"elementwise); the {len(visible)} tiles with a visible key need {need:,} in matmuls and at most "
-               f"{allowed:,} in all (computing every tile costs {every:,} in matmuls alone)", hint=skip_hint)
-    if r.largest.numel >= N * Nk // 2:
-        g.fail(f"your function made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by}), "
-               f"as large as the {N} x {Nk} score matrix", hint=tile_hint)
 
 
 @exercise("flash_attn_causal", arg_names=["q", "k", "v"], reference="SDPA (float64, both alignments)")

@@ -6,17 +6,14 @@ meter's FLOP count (matmul and elementwise) rejects a kernel that computes tiles
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import reference
 from ..checking import Bug, Case, exercise
 from ..lesson05 import make_mask
-from ._common import NEG_INF, check_o_lse, gen, qkv, tiles
+from ._common import NEG_INF, check_o_lse, check_visible_work, gen, qkv, tiles
 from ._common import masked_tiled_model as tiled_model
 # The metered visible-work check shared with 04 (owned by the idea-check work, to move into _common next):
-from .lesson04 import check_visible_work
 
 _gen = gen
 
