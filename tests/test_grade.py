@@ -58,14 +58,22 @@ def test_every_learner_notebook_untouched_is_all_todo_and_unchanged(tmp_path, ca
     assert sorted(p.name for p in work.iterdir()) == sorted(before)       # nothing added
 
 
-def test_a_copy_of_the_solutions_is_all_pass(tmp_path, capsys, monkeypatch):
+# Every worked notebook passing every exercise is nbval's job (make check-solutions, strict); here
+# grade reads worked answers of each kind: plain CPU (01), CPU + a Triton kernel under the interpreter
+# (08), worker processes (09). A subset keeps make check under its 20 minutes.
+GRADED_WORKED = ("01_online_softmax", "08_backward_pass", "09_ring_attention")
+
+
+def test_a_copy_of_worked_notebooks_is_all_pass(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COURSE_STRICT", "1")               # grade ignores it: a report, not strict
     work = tmp_path / "solutions"
-    shutil.copytree(ROOT / "solutions", work)
+    work.mkdir()
+    for name in GRADED_WORKED:
+        shutil.copy(ROOT / "solutions" / f"{name}.ipynb", work)
     assert grade.main([str(work), "--expect", "pass"]) == 0
     out = capsys.readouterr().out
-    n = _n_exercises()
-    assert f"{n} ✅  0 ❌  0 ⏳  of {n} exercises" in out
+    n = sum(len(grade.exercises_in(nbformat.read(p, as_version=4))) for p in work.glob("*.ipynb"))
+    assert n == 4 + 4 + 2 and f"{n} ✅  0 ❌  0 ⏳  of {n} exercises" in out
 
 
 def test_a_wrong_answer_is_a_cross_with_the_checkers_first_line(learner01):
