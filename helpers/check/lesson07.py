@@ -14,6 +14,7 @@ import torch
 
 from .. import lesson07, reference
 from ..checking import Bug, Case, exercise
+from ._common import stubbed as _stubbed
 
 # torch ops that mean the answer was computed with torch, not in the kernel
 _TORCH_MATH = {"mm", "bmm", "matmul", "addmm", "baddbmm", "_softmax", "softmax", "logsumexp", "exp", "exp2",
@@ -31,19 +32,6 @@ def _dtypes():
     return (torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
 
 
-def _stubbed(fn):
-    """Call ``fn``; turn a NotImplementedError wrapped by the Triton interpreter or compiler back into one."""
-    def call(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except NotImplementedError:
-            raise
-        except Exception as e:
-            if "NotImplementedError" in f"{e!r} {e}":
-                raise NotImplementedError(str(e)) from None
-            raise
-    call.__name__ = getattr(fn, "__name__", "fn")
-    return call
 
 
 def _randn(gen, *shape, dtype, scale=1.0):
