@@ -115,10 +115,10 @@ def _attn_fwd_varlen(
     seq = tl.load(SEQ_IDX + pid)
     real = seq >= 0  # spare programs (the map's P is an upper bound) see no row and no key
     seq = tl.maximum(seq, 0)
-    q_beg = tl.load(CU_Q + seq).to(tl.int64)
-    k_beg = tl.load(CU_K + seq).to(tl.int64)
-    N = tl.where(real, tl.load(CU_Q + seq + 1) - q_beg, 0)  # this sequence's query rows
-    Nk = tl.where(real, tl.load(CU_K + seq + 1) - k_beg, 0)  # and keys
+    q_beg = tl.load(CU_Q + seq).to(tl.int32)  # first packed row of this sequence (cu_seqlens may be int64)
+    k_beg = tl.load(CU_K + seq).to(tl.int32)  # and its first key; int32 like TMA's coordinates
+    N = tl.where(real, tl.load(CU_Q + seq + 1).to(tl.int32) - q_beg, 0)  # this sequence's query rows
+    Nk = tl.where(real, tl.load(CU_K + seq + 1).to(tl.int32) - k_beg, 0)  # and keys
     diag = Nk - N  # causal, bottom-right: row i sees key j when j <= i + Nk - N
     start_m = (tl.where(real, tl.load(Q_START + pid), q_beg) - q_beg) // BLOCK_M  # block index in the sequence
 
@@ -127,10 +127,10 @@ def _attn_fwd_varlen(
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
     row_ok = offs_m < N  # [BLOCK_M]
 
-    q_base = Q + q_beg * stride_qt + off_h.to(tl.int64) * stride_qh
-    k_base = K + k_beg * stride_kt + off_hkv.to(tl.int64) * stride_kh
-    v_base = V + k_beg * stride_vt + off_hkv.to(tl.int64) * stride_vh
-    o_base = O + q_beg * stride_ot + off_h.to(tl.int64) * stride_oh
+    q_base = Q + q_beg.to(tl.int64) * stride_qt + off_h.to(tl.int64) * stride_qh
+    k_base = K + k_beg.to(tl.int64) * stride_kt + off_hkv.to(tl.int64) * stride_kh
+    v_base = V + k_beg.to(tl.int64) * stride_vt + off_hkv.to(tl.int64) * stride_vh
+    o_base = O + q_beg.to(tl.int64) * stride_ot + off_h.to(tl.int64) * stride_oh
     k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D]
     v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]  # [BLOCK_N, D]
     q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
