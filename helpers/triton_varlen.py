@@ -59,7 +59,7 @@ def varlen_block_map(cu_seqlens_q, BLOCK_M, total_q=None):
     P = (total_q + B * (BLOCK_M - 1)) // BLOCK_M: an upper bound on the number of blocks (a sequence's
     last block leaves at most BLOCK_M - 1 rows empty), known without reading the lengths. Program p owns
     packed rows q_start[p] .. min(q_start[p] + BLOCK_M, cu_seqlens_q[seq_idx[p] + 1]) - 1; the spare
-    programs at the end get seq_idx = q_start = -1 and do nothing. A sequence of length 0 has no block.
+    programs at the end get seq_idx = q_start = -1 and return at once. A sequence of length 0 has no block.
 
     Order: by the block's index within its sequence, largest first; equal indices in sequence order.
     Under a causal mask a block's work grows with its index, and only long sequences have large
@@ -113,14 +113,14 @@ def _attn_fwd_varlen(
     off_hkv = off_h // (H // Hkv)  # grouped-query attention
 
     seq = tl.load(SEQ_IDX + pid)
-    real = seq >= 0  # spare programs (the map's P is an upper bound) see no row and no key
-    seq = tl.maximum(seq, 0)
+    if seq < 0:  # a spare program: the map's length P is an upper bound on the blocks
+        return
     q_beg = tl.load(CU_Q + seq).to(tl.int32)  # first packed row of this sequence (cu_seqlens may be int64)
     k_beg = tl.load(CU_K + seq).to(tl.int32)  # and its first key; int32 like TMA's coordinates
-    N = tl.where(real, tl.load(CU_Q + seq + 1).to(tl.int32) - q_beg, 0)  # this sequence's query rows
-    Nk = tl.where(real, tl.load(CU_K + seq + 1).to(tl.int32) - k_beg, 0)  # and keys
+    N = tl.load(CU_Q + seq + 1).to(tl.int32) - q_beg  # this sequence's query rows
+    Nk = tl.load(CU_K + seq + 1).to(tl.int32) - k_beg  # and keys
     diag = Nk - N  # causal, bottom-right: row i sees key j when j <= i + Nk - N
-    start_m = (tl.where(real, tl.load(Q_START + pid), q_beg) - q_beg) // BLOCK_M  # block index in the sequence
+    start_m = (tl.load(Q_START + pid) - q_beg) // BLOCK_M  # block index within the sequence
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows, counted from the sequence's first
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
