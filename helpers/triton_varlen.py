@@ -151,22 +151,27 @@ def _attn_fwd_varlen(
 # ----------------------------------------------------------------------------
 
 _INTERPRETER_VARLEN_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-# (BLOCK_N, num_warps, num_stages) around what won for the dense forward on an H200 (BLOCK_M = 128)
-_VARLEN_SHAPES = {128: [(64, 8, 3), (128, 8, 3), (64, 8, 4), (64, 4, 3), (128, 8, 2)],
-                  64: [(64, 4, 3), (32, 4, 3), (64, 4, 2)]}  # d = 256: smaller tiles fit shared memory
+# Per head-dim class: BLOCK_M, then (BLOCK_N, num_warps, num_stages) around what the dense forward's
+# autotuner chose on the H200 (bench/results/h200.json: 128 x 64, 8 warps, 3 stages for d = 64; 128 x 128
+# for d = 128). Three each: every config is compiled on first use, and `make bench` has a time budget.
+_VARLEN_SHAPES = {
+    64: (128, [(64, 8, 3), (64, 8, 4), (64, 4, 3)]),  # d <= 64
+    128: (128, [(128, 8, 3), (64, 8, 3), (128, 8, 2)]),
+    256: (64, [(64, 4, 3), (32, 4, 3), (64, 4, 2)]),  # smaller tiles: q and two K/V stages fit shared memory
+}
 
 
-def _block_m(d):
-    return 64 if d > 128 else 128
+def _d_class(d):
+    return 64 if d <= 64 else d
 
 
-def _tuned(block_m):
+def _tuned(d_class):
     configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_kv_block_shape)
-               for bn, w, s in _VARLEN_SHAPES[block_m]]
+               for bn, w, s in _VARLEN_SHAPES[d_class][1]]
     return triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "USE_TMA"])(_attn_fwd_varlen)
 
 
-_attn_fwd_varlen_tuned = {bm: _tuned(bm) for bm in _VARLEN_SHAPES}
+_attn_fwd_varlen_tuned = {c: _tuned(c) for c in _VARLEN_SHAPES}
 
 
 # ----------------------------------------------------------------------------
@@ -265,14 +270,16 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     lse = torch.empty((H, total_q), device=q.device, dtype=torch.float32)  # [H, total_q]
     if total_q == 0:
         return o, lse
+    if total_k == 0:  # no sequence has a key: every row is empty (and there is nothing to point K at)
+        return o.zero_(), lse.fill_(float("-inf"))
     if config is None and _interpreting():
         config = _INTERPRETER_VARLEN_CONFIG
-    block_m = config["BLOCK_M"] if config is not None else _block_m(d)
+    block_m = config["BLOCK_M"] if config is not None else _VARLEN_SHAPES[_d_class(d)][0]  # the map needs it
     seq_idx, q_start = varlen_block_map(cu_seqlens_q, block_m, total_q=total_q)  # [P], [P]
     if seq_idx.numel() == 0:
         return o, lse
     if use_tma is None:
-        use_tma = _use_tma_default(q) and total_k > 0
+        use_tma = _use_tma_default(q)
     desc_k = desc_v = None
     if use_tma:
         dummy_block = [16, d]  # replaced by the config's pre_hook
@@ -294,5 +301,5 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
             desc_v.block_shape = [cfg["BLOCK_N"], d]
         _attn_fwd_varlen[grid](*args, **meta, **cfg)
     else:
-        _attn_fwd_varlen_tuned[block_m][grid](*args, **meta, BLOCK_M=block_m)
+        _attn_fwd_varlen_tuned[_d_class(d)][grid](*args, **meta, BLOCK_M=block_m)
     return o, lse

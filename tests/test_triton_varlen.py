@@ -17,7 +17,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers.triton_attention import interpreting  # noqa: E402
+from helpers.triton_attention import TensorDescriptor, interpreting  # noqa: E402
 from helpers.triton_varlen import flash_attn_varlen_triton, varlen_block_map  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and not interpreting()
@@ -106,6 +106,15 @@ CASES = {
 def test_varlen_matches_sdpa_per_sequence(case, causal, dtype):
     lens_q, lens_k, H, Hkv, d = CASES[case]
     _check_all(lens_q, lens_k, H, Hkv, d, causal, dtype, seed=len(case))
+
+
+@pytest.mark.skipif(TensorDescriptor is None, reason="this Triton has no host tensor descriptors")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_other_load_path(causal):
+    """The path the default does not take here: TMA descriptors over [total_k, Hkv * d] (a column offset per
+    KV head, tiles running into the next sequence) under the interpreter; plain pointers on a Hopper GPU."""
+    lens_q, lens_k, H, Hkv, d = CASES["n != nk both ways, GQA 4/2"]
+    _check_all(lens_q, lens_k, H, Hkv, d, causal, torch.float16, seed=5, use_tma=not ON_GPU)
 
 
 def test_varlen_other_tiles_and_int64_cu_seqlens():
