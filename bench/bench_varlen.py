@@ -32,7 +32,6 @@ is no GPU): the script's own test, not a measurement.
 import argparse
 import datetime
 import json
-import math
 import os
 import random
 import sys
@@ -130,7 +129,8 @@ def reference_one(q, k, v, causal):
 def check(q, k, v, cu, lens, causal, o):
     """Max error of the varlen O and of SDPA (same dtype) against float64, over a few sequences."""
     H, Hkv = q.shape[1], k.shape[1]
-    picks = sorted({0, 1, len(lens) - 2, len(lens) - 1, max(range(len(lens)), key=lens.__getitem__)} & set(range(len(lens))))
+    B = len(lens)
+    picks = sorted({0, 1, B - 2, B - 1, max(range(B), key=lens.__getitem__)} & set(range(B)))  # first, last, longest
     tri_err = sdpa_err = 0.0
     for b in picks:
         r = slice(cu[b], cu[b + 1])
@@ -248,7 +248,6 @@ def run_row(dtype, d, causal, H, Hkv, mix, total, device, smoke, tune_dense):
     ms = bench_ms(lambda: flash_attn_triton(qd, kd, vd, causal=causal, config=cfg), smoke)
     row["dense_triton_tflops"] = round(useful_flops([L] * Bd, H, d, causal) / ms / 1e9, 1)
     detail["dense_shape"] = [Bd, H, L, d]
-    del qd, kd, vd
 
     # SDPA on the padded batch, K and V expanded to H heads outside the timing
     Lp = max(lens)
