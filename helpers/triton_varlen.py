@@ -37,7 +37,7 @@ from .triton_attention import (
     _use_tma_default,
 )
 
-__all__ = ["flash_attn_varlen_triton", "varlen_block_map"]
+__all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m"]
 
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -165,6 +165,13 @@ def _d_class(d):
     return 64 if d <= 64 else d
 
 
+def varlen_block_m(d):
+    """The BLOCK_M the varlen kernel uses for head dimension d (the map must be built for it)."""
+    if _interpreting():
+        return _INTERPRETER_VARLEN_CONFIG["BLOCK_M"]
+    return _VARLEN_SHAPES[_d_class(d)][0]
+
+
 def _tuned(d_class):
     configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_kv_block_shape)
                for bn, w, s in _VARLEN_SHAPES[d_class][1]]
@@ -209,7 +216,7 @@ def _check_cu_values(name, cu, total, max_seqlen, total_name, max_name):
 
 
 def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                             sm_scale=None, *, validate=True, use_tma=None, config=None):
+                             sm_scale=None, *, validate=True, block_map=None, use_tma=None, config=None):
     """Attention over packed sequences of different lengths: returns ``(O, lse)``.
 
     q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv (query head h reads KV head
@@ -224,8 +231,10 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
     validate: check the cu_seqlens values (0 first, non-decreasing, ending at total_q / total_k, within
     max_seqlen): one copy to the host, a sync. False skips it (nothing then waits for the GPU; wrong
-    values give wrong results). ``use_tma`` and ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages)
-    are for benchmarking; None autotunes.
+    values give wrong results). block_map: the grid's map, ``varlen_block_map(cu_seqlens_q,
+    varlen_block_m(d), total_q)``, built once and passed to every layer's call of one batch (the
+    layers share cu_seqlens); None builds it here (about 25 small torch ops). ``use_tma`` and
+    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; None autotunes.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -274,10 +283,17 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return o.zero_(), lse.fill_(float("-inf"))
     if config is None and _interpreting():
         config = _INTERPRETER_VARLEN_CONFIG
-    block_m = config["BLOCK_M"] if config is not None else _VARLEN_SHAPES[_d_class(d)][0]  # the map needs it
-    seq_idx, q_start = varlen_block_map(cu_seqlens_q, block_m, total_q=total_q)  # [P], [P]
-    if seq_idx.numel() == 0:
-        return o, lse
+    block_m = config["BLOCK_M"] if config is not None else varlen_block_m(d)  # the map is built for it
+    P = (total_q + B * (block_m - 1)) // block_m  # the map's length: an upper bound on the blocks
+    if block_map is None:
+        seq_idx, q_start = varlen_block_map(cu_seqlens_q, block_m, total_q=total_q)  # [P], [P]
+    else:
+        if not (isinstance(block_map, (tuple, list)) and len(block_map) == 2
+                and all(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.shape == (P,)
+                        and t.device == q.device for t in block_map)):
+            raise ValueError(f"block_map must be varlen_block_map(cu_seqlens_q, {block_m}, {total_q}): two int32 "
+                             f"tensors of shape ({P},) on {q.device}")
+        seq_idx, q_start = (t.contiguous() for t in block_map)
     if use_tma is None:
         use_tma = _use_tma_default(q)
     desc_k = desc_v = None

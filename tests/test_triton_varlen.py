@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers.triton_attention import TensorDescriptor, interpreting  # noqa: E402
-from helpers.triton_varlen import flash_attn_varlen_triton, varlen_block_map  # noqa: E402
+from helpers.triton_varlen import flash_attn_varlen_triton, varlen_block_m, varlen_block_map  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and not interpreting()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -126,6 +126,12 @@ def test_varlen_other_tiles_and_int64_cu_seqlens():
                                       sm_scale=0.1, validate=False, config=cfg)
     o2, lse2 = flash_attn_varlen_triton(q, k, v, _cu(lens_q), _cu(lens_k), 40, 50, causal=True, sm_scale=0.1)
     assert torch.allclose(o.float(), o2.float(), atol=TOL[DTYPES[0]])
+    premade = varlen_block_map(_cu(lens_q), varlen_block_m(32), total_q=q.shape[0])  # built once per batch
+    o3, lse3 = flash_attn_varlen_triton(q, k, v, _cu(lens_q), _cu(lens_k), 40, 50, causal=True, sm_scale=0.1,
+                                        block_map=premade)
+    assert torch.equal(o3, o2) and torch.equal(lse3, lse2)
+    with pytest.raises(ValueError, match="block_map must be"):
+        flash_attn_varlen_triton(q, k, v, _cu(lens_q), _cu(lens_k), 40, 50, block_map=premade[0])
     cu = _cu(lens_q)
     qd = q[:40].double().cpu().transpose(0, 1)  # sequence 0: [H, 40, d]
     kd, vd = (t[:50].double().cpu().transpose(0, 1) for t in (k, v))  # [Hkv, 50, d]
