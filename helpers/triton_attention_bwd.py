@@ -319,6 +319,9 @@ def _check_inputs(q, k, v, causal, align):
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     B, H, N, d = q.shape
+    if k.shape[0] == B and k.shape[3] == d and k.shape[1] != H:
+        raise ValueError(f"the backward has no grouped-query attention: q has H = {H} heads, k has {k.shape[1]}; "
+                         f"repeat k and v to H heads first (k.repeat_interleave(H // Hkv, dim=1)) to train through it")
     if tuple(k.shape[:2]) != (B, H) or k.shape[3] != d:
         raise ValueError(f"k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}], got {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
