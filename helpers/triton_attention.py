@@ -13,9 +13,11 @@ Two public functions:
   tiles no row sees (never visited).
 * ``flash_decode_triton(q, k, v, num_splits=None) -> O``: one new token per
   sequence against a long KV cache (Flash-Decoding). The cache is cut into
-  ``num_splits`` pieces, a split kernel writes a partial ``(O_s, lse_s)`` per
-  piece, and a combine kernel merges them with weights ``exp(lse_s - lse)``.
+  ``num_splits`` pieces, each program writes a partial ``(O_s, lse_s)`` for its
+  piece, and the last program of a head to finish (an atomic counter) merges
+  them with weights ``exp(lse_s - lse)``: one kernel launch per call.
   Grouped-query attention: query head ``h`` reads KV head ``h // (H // Hkv)``.
+  The same kernel serves ``flash_attn_with_kvcache_triton`` (helpers/triton_kvcache.py).
 
 References: Dao, "FlashAttention-2" (2023), Algorithm 1; Dao et al.,
 "Flash-Decoding for long-context inference" (2023); the fused-attention and
