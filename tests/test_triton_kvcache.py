@@ -6,7 +6,6 @@ bottom-right causal mask written out; lengths include 0, 1 and a full cache; the
 pages are shuffled; the page size is smaller than, equal to and larger than the key tile.
 """
 
-import math
 import os
 
 import pytest
