@@ -3,7 +3,8 @@
 Two public functions:
 
 * ``flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left") -> (O, lse)``:
-  the FlashAttention-2 forward pass. One program owns BLOCK_M query rows of one
+  the FlashAttention-2 forward pass (k, v may have fewer heads than q: grouped-query
+  attention). One program owns BLOCK_M query rows of one
   (batch, head), keeps them in registers and streams the keys and values past
   them BLOCK_N at a time, with the online softmax (``m_i``, ``l_i``, ``acc``,
   ``alpha``) in base 2: ``log2(e)`` is folded into ``qk_scale`` so every
@@ -69,7 +70,7 @@ _interpreting = interpreting
 def _attn_fwd_inner(
     acc, l_i, m_i, q,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M]; q [BLOCK_M, D]
     k_ptrs, v_ptrs, stride_kn, stride_vn,  # pointer path: tile of key/value rows at start_n = 0
-    desc_k, desc_v, kv_row0,  # TMA path: descriptors over [B*H*Nk, D], first row of this head
+    desc_k, desc_v, kv_row0, kv_col0,  # TMA path: 2-D descriptors; this head's keys start at (kv_row0, kv_col0)
     lo, hi,  # key range [lo, hi) to visit, lo a multiple of BLOCK_N
     offs_m, offs_n, qk_scale, Nk, diag,  # diag: row i sees keys j <= i + diag (causal)
     BLOCK_N: tl.constexpr,
@@ -81,8 +82,8 @@ def _attn_fwd_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         # -- load one tile of keys and values --------------------------------
         if USE_TMA:
-            k = desc_k.load([kv_row0 + start_n, 0])  # [BLOCK_N, D]
-            v = desc_v.load([kv_row0 + start_n, 0])  # [BLOCK_N, D]
+            k = desc_k.load([kv_row0 + start_n, kv_col0])  # [BLOCK_N, D]
+            v = desc_v.load([kv_row0 + start_n, kv_col0])  # [BLOCK_N, D]
         elif MASKED:
             in_range = (start_n + offs_n)[:, None] < Nk  # [BLOCK_N, 1]
             k = tl.load(k_ptrs + start_n * stride_kn, mask=in_range, other=0.0)  # [BLOCK_N, D]
@@ -115,44 +116,21 @@ def _attn_fwd_inner(
 
 
 @triton.jit
-def _attn_fwd(
-    Q, K, V, O, LSE,
-    desc_k, desc_v,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om,
-    H, N, Nk, diag, qk_scale,
+def _attn_fwd_rows(
+    q,  # [BLOCK_M, D] this block's query rows (zeros past the last row)
+    k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,  # as in _attn_fwd_inner
+    start_m, offs_m, offs_n, qk_scale, Nk, diag,  # start_m: block index; offs_m: rows from 0 of the sequence
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    # grid = (cdiv(N, BLOCK_M), B * H); causal blocks run heaviest (last) first
-    if CAUSAL:
-        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
+    """One block of query rows against keys [0, Nk): returns (O [BLOCK_M, D] float32, lse [BLOCK_M] natural log).
 
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows
-    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N] key rows within a tile
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
-
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
-    o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D]
-    kv_row0 = off_bh * Nk  # first row of this head in the [B*H*Nk, D] view
-
-    row_ok = offs_m < N  # [BLOCK_M] the last block may run past N
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
-
+    Shared by the dense forward and the packed variable-length one (helpers/triton_varlen.py): the caller
+    finds the rows and the keys, this visits the key tiles in their classes and normalises.
+    """
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running numerator
@@ -169,12 +147,12 @@ def _attn_fwd(
         band_hi = Nk
 
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,
         0, band_lo, offs_m, offs_n, qk_scale, Nk, diag,
         BLOCK_N, False, CAUSAL, USE_TMA,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,
         band_lo, band_hi, offs_m, offs_n, qk_scale, Nk, diag,
         BLOCK_N, True, CAUSAL, USE_TMA,
     )
@@ -184,6 +162,54 @@ def _attn_fwd(
     l_safe = tl.where(empty, 1.0, l_i)
     acc = acc / l_safe[:, None]  # [BLOCK_M, D]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # [BLOCK_M] natural log
+    return acc, lse
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE,
+    desc_k, desc_v,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    H, Hkv, N, Nk, diag, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    # grid = (cdiv(N, BLOCK_M), B * H); causal blocks run heaviest (last) first
+    if CAUSAL:
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_hkv = off_h // (H // Hkv)  # grouped-query attention: H // Hkv query heads share a KV head
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N] key rows within a tile
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+    o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D]
+    kv_row0 = (off_b * Hkv + off_hkv) * Nk  # first row of this KV head in the [B*Hkv*Nk, D] view
+
+    row_ok = offs_m < N  # [BLOCK_M] the last block may run past N
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+
+    acc, lse = _attn_fwd_rows(
+        q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, 0,
+        start_m, offs_m, offs_n, qk_scale, Nk, diag,
+        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA,
+    )
     tl.store(LSE + off_bh.to(tl.int64) * N + offs_m, lse, mask=row_ok)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None])
 
@@ -256,7 +282,8 @@ def _use_tma_default(q):
 def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *, use_tma=None, config=None):
     """Attention forward: returns ``(O, lse)``.
 
-    q: [B, H, N, d]; k, v: [B, H, Nk, d] (Nk may differ from N). fp16 or bf16 on
+    q: [B, H, N, d]; k, v: [B, Hkv, Nk, d] (Nk may differ from N; H a multiple of
+    Hkv: grouped-query attention, query head h reads KV head h // (H // Hkv)). fp16 or bf16 on
     a GPU (fp32 too, with tf32 dot products); fp32 or fp16 under the interpreter.
     O: [B, H, N, d] in q's dtype; lse: [B, H, N] float32, natural log of each
     row's softmax denominator (with the scale applied), -inf for a row that sees
@@ -282,11 +309,13 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     B, H, N, d = q.shape
-    Bk, Hk, Nk, dk = k.shape
-    if (Bk, Hk, dk) != (B, H, d):
-        raise ValueError(f"k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}], got {tuple(k.shape)}")
+    Bk, Hkv, Nk, dk = k.shape
+    if (Bk, dk) != (B, d):
+        raise ValueError(f"k must be [B, Hkv, Nk, d] = [{B}, Hkv, Nk, {d}], got {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads (k is {tuple(k.shape)})")
     if d not in (16, 32, 64, 128, 256):
         raise ValueError(f"head dimension d must be one of 16, 32, 64, 128, 256; got {d}")
     if N == 0 or Nk == 0 or B == 0 or H == 0:
@@ -305,8 +334,8 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
     desc_k = desc_v = None
     if use_tma:
         dummy_block = [16, d]  # replaced by the config's pre_hook
-        desc_k = TensorDescriptor.from_tensor(k.view(B * H * Nk, d), dummy_block)  # [B*H*Nk, d]
-        desc_v = TensorDescriptor.from_tensor(v.view(B * H * Nk, d), dummy_block)  # [B*H*Nk, d]
+        desc_k = TensorDescriptor.from_tensor(k.view(B * Hkv * Nk, d), dummy_block)  # [B*Hkv*Nk, d]
+        desc_v = TensorDescriptor.from_tensor(v.view(B * Hkv * Nk, d), dummy_block)  # [B*Hkv*Nk, d]
 
     args = (
         q, k, v, o, lse, desc_k, desc_v,
@@ -314,7 +343,7 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        H, N, Nk, diag, qk_scale,
+        H, Hkv, N, Nk, diag, qk_scale,
     )
     if _interpreting() or config is not None:
         cfg = dict(_INTERPRETER_FWD_CONFIG if config is None else config)
