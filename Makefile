@@ -92,9 +92,10 @@ e2e: setup  ## every notebook run in JupyterLab in headless Chromium, on a copy 
 
 check: test check-solutions check-notebooks e2e  ## everything CI runs: unit tests, nbval over solutions/ and notebooks/, e2e
 
-bench:  ## time the Triton kernels (forward, varlen, decode, backward) against SDPA and train a small GPT (CUDA GPU; writes bench/results/)
+bench:  ## time the Triton kernels (forward, varlen, decode, paged decode, backward) against SDPA and train a small GPT (CUDA GPU; writes bench/results/)
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_varlen.py
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_kvcache.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_bwd.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/train_gpt.py
 

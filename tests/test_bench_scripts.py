@@ -57,3 +57,23 @@ def test_varlen_useful_flops_count_visible_pairs():
     for mix in ("uniform", "long-tailed", "equal"):
         lens = bench.make_lengths(mix, 32768, random.Random(0))
         assert sum(lens) == 32768 and min(lens) >= 1, mix
+
+
+PAGED_KEYS = {"dtype", "B", "H", "Hkv", "d", "block_size", "mean_len", "triton_gbs", "contig_triton_gbs",
+              "sdpa_cudnn_gbs"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU interpreter run")
+def test_bench_kvcache_smoke_merges_rows(tmp_path):
+    out = tmp_path / "gpu.json"
+    out.write_text(json.dumps({"decode": [{"kept": 1}], "paged": [{"stale": 1}]}))
+    rows = _load("bench_kvcache").main(["--smoke", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["decode"] == [{"kept": 1}], "other keys must be left as they were"
+    assert data["paged"] == json.loads(json.dumps(rows)) and len(rows) == 2
+    for r in rows:
+        assert PAGED_KEYS <= set(r), PAGED_KEYS - set(r)
+        assert r["pass"] and r["contig_pass"], r
+        assert r["err"] <= 2 * r["sdpa_err"] + 1e-5
+        assert sum(r["lengths"]) == r["B"] * r["mean_len"]
+    assert {"gpu", "torch", "triton", "date"} <= set(data["paged_meta"])
