@@ -445,6 +445,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--quick-prefill", action="store_true", help="the quick prefill subset, every decode row")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
@@ -461,13 +462,17 @@ def main():
         log(f"explore done at {time.time() - t0:.0f}s")
         if args.explore_only:
             return
-    result = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-              "date": datetime.date.today().isoformat(), "timing": "triton.testing.do_bench median, L2 flushed",
-              "ceilings": ceilings()}
-    log("ceilings", result["ceilings"])
     path = os.path.join(args.out, f"{stem}.json")
+    result = {}
+    if os.path.exists(path):  # other scripts' rows (backward, varlen, paged) stay
+        with open(path) as f:
+            result = json.load(f)
+    result.update({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+                   "date": datetime.date.today().isoformat(), "timing": "triton.testing.do_bench median, L2 flushed",
+                   "ceilings": ceilings()})
+    log("ceilings", result["ceilings"])
     if not args.skip_prefill:
-        result["prefill"] = run_prefill(args.quick)
+        result["prefill"] = run_prefill(args.quick or args.quick_prefill)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         log(f"prefill done at {time.time() - t0:.0f}s")

@@ -181,7 +181,7 @@ def cases(smoke, quick):
     return out
 
 
-def run_paged(smoke, quick):
+def run_paged(smoke, quick, save=None):
     device = "cpu" if smoke else "cuda"
     block_sizes = (16, 32) if smoke else BLOCK_SIZES
     rows = []
@@ -219,6 +219,8 @@ def run_paged(smoke, quick):
                 row.update({"pass": False, "triton_gbs": None})
             log("  paged", json.dumps({kk: vv for kk, vv in row.items() if kk != "lengths"}))
             rows.append(row)
+            if save:  # after every row: a run cut short keeps what it measured
+                save(rows)
         del q, k, v
     return rows
 
@@ -268,13 +270,13 @@ def main(argv=None):
         out = os.path.join(ROOT, "bench", "results", f"{stem}.json")
     t0 = time.time()
     log(f"{gpu} torch {torch.__version__} triton {triton.__version__}")
-    rows = run_paged(args.smoke, args.quick)
     meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.date.today().isoformat(),
             "timing": "triton.testing.do_bench median, L2 flushed; triton_graph_gbs: do_bench_cudagraph median",
             "gbs": "valid K and V bytes (sum of lengths) / time, for every column",
             "sdpa_cudnn": "equal-length batch with the same total tokens (B x round(mean of the lengths))",
             "correctness": "Triton vs float64 per sequence <= 2 x SDPA's own error + 1e-5"}
+    rows = run_paged(args.smoke, args.quick, save=lambda rows: merge_into(out, {"paged": rows, "paged_meta": meta}))
     merge_into(out, {"paged": rows, "paged_meta": meta})
     log(f"done in {time.time() - t0:.0f}s; wrote 'paged' into {out}")
     log(summary(rows))
