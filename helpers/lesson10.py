@@ -5,8 +5,9 @@
 - ``padding_waste``: FLOPs and bytes of one attention layer on a padded ``[B, H, max_len, d]`` batch
   against the packed one, counted exactly (causal: the visible (query, key) pairs of each sequence).
   ``long_tailed_lengths``, ``uniform_lengths``, ``few_long_many_short``: seeded length mixes.
-- ``varlen_block_map_ref``: the course's reference for exercise 1, the (sequence, Q block) of each
-  program of a packed (varlen) launch, ordered by sequence then block.
+- ``varlen_block_map_ref``: the course's reference for exercise 1, the (sequence, first packed row) of
+  each program of a packed (varlen) launch, in the order and with the spare programs of the course's
+  kernel, ``helpers.triton_varlen.varlen_block_map``; ``num_programs``: its grid size.
 - ``BlockAllocator`` (a free list of cache blocks) and ``PagedKVCache`` (pools ``[num_blocks,
   block_size, Hkv, d]``, ``block_table`` int32 ``[B, max_blocks]``, ``cache_seqlens`` int32 ``[B]``: the
   layout of the library's ``flash_attn_with_kvcache``).
@@ -28,7 +29,7 @@ import torch
 
 __all__ = ["cu_seqlens_from_lengths", "check_cu_seqlens", "lengths_from_cu_seqlens", "padding_waste",
            "waste_table", "plot_waste", "long_tailed_lengths", "uniform_lengths", "few_long_many_short",
-           "varlen_block_map_ref", "plot_block_map", "CacheFull", "BlockAllocator", "PagedKVCache",
+           "num_programs", "varlen_block_map_ref", "plot_block_map", "CacheFull", "BlockAllocator", "PagedKVCache",
            "gather_kv_ref", "plot_pool", "kv_cache_bytes", "RESULTS", "load_results", "results_label",
            "serving_results", "serving_tables", "show_serving_results", "NOT_MEASURED", "NO_TRITON",
            "require_triton"]
@@ -167,56 +168,78 @@ def plot_waste(mixes: dict, **shape):
         ax.bar([i + 0.2 for i in x], padded, 0.4, label="padded to max_len", color="#dd8452")
         for i, w in enumerate(ws):
             ax.text(i + 0.2, padded[i], f"{w[f'{key}_ratio']:.1f}x", ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, max(padded + useful) * 1.3)
         ax.set_xticks(list(x))
         ax.set_xticklabels(names, fontsize=8)
         ax.set_ylabel(unit)
         ax.set_title(f"one attention layer's forward: {unit} ({'causal' if shape.get('causal', True) else 'full'})",
                      fontsize=9)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     return fig
 
 
 # ------------------------------------------------------------------ exercise 1: the varlen grid's program map
-def varlen_block_map_ref(cu_seqlens, BLOCK_M):
-    """``(seq_idx, q_start)``, int32 ``[num_blocks]``: one entry per program of a packed launch.
+def num_programs(total_q: int, B: int, BLOCK_M: int) -> int:
+    """P = (total_q + B (BLOCK_M - 1)) // BLOCK_M: the varlen launch's grid size, from numbers the host knows.
 
-    Sequence b of ``n_b`` tokens has ``cdiv(n_b, BLOCK_M)`` query blocks (none when ``n_b = 0``);
-    block m of it starts at row ``m * BLOCK_M`` *of that sequence* (its packed row is
-    ``cu_seqlens[b] + q_start``). Entries are ordered by sequence, then block.
+    Each sequence's last block leaves at most BLOCK_M - 1 rows empty, so P bounds
+    sum_b cdiv(n_b, BLOCK_M) without reading the lengths (which live on the GPU: reading them is a sync).
+    """
+    return (total_q + B * (BLOCK_M - 1)) // BLOCK_M
+
+
+def varlen_block_map_ref(cu_seqlens, BLOCK_M):
+    """``(seq_idx, q_start)``, int32 ``[P]``: the (sequence, first packed row) of every program.
+
+    The course's reference, with the contract of ``helpers.triton_varlen.varlen_block_map`` (a test
+    keeps the two equal): sequence b of ``n_b`` tokens has ``cdiv(n_b, BLOCK_M)`` query blocks (none
+    when ``n_b = 0``); its block m starts at packed row ``cu_seqlens[b] + m * BLOCK_M``. Entries are
+    ordered by m, largest first, ties in sequence order (the longest-running causal blocks start
+    first); the ``P = num_programs(...)`` entries past the real blocks are ``(-1, -1)``: spare programs.
     """
     check_cu_seqlens(cu_seqlens)
-    if int(BLOCK_M) < 1:
-        raise ValueError(f"BLOCK_M must be >= 1, got {BLOCK_M}")
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()                       # [B]
-    n_blocks = (lengths + BLOCK_M - 1) // BLOCK_M                             # [B], cdiv
-    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), n_blocks)   # [num_blocks]
-    first = n_blocks.cumsum(0) - n_blocks                                     # [B], each sequence's first entry
-    q_start = (torch.arange(len(seq_idx)) - first[seq_idx]) * BLOCK_M         # [num_blocks]
-    return seq_idx.to(torch.int32), q_start.to(torch.int32)
+    if isinstance(BLOCK_M, bool) or int(BLOCK_M) != BLOCK_M or BLOCK_M < 1:
+        raise ValueError(f"BLOCK_M must be a positive int, got {BLOCK_M!r}")
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]                                                # [B]
+    n_blocks = (lengths + BLOCK_M - 1) // BLOCK_M                             # [B], cdiv; 0 when empty
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), n_blocks)       # [R] sequence by sequence
+    m = torch.arange(len(seq)) - (n_blocks.cumsum(0) - n_blocks)[seq]         # [R] block index in its sequence
+    order = torch.sort(-m, stable=True).indices                               # [R] largest m first, stable
+    P = num_programs(int(cu[-1]), len(lengths), BLOCK_M)
+    seq_idx = torch.full((P,), -1, dtype=torch.int32)                         # [P]
+    q_start = torch.full((P,), -1, dtype=torch.int32)                         # [P]
+    seq_idx[:len(seq)] = seq[order].to(torch.int32)
+    q_start[:len(seq)] = (cu[seq] + m * BLOCK_M)[order].to(torch.int32)
+    return seq_idx, q_start
 
 
 def plot_block_map(lengths, BLOCK_M: int, ax=None):
-    """The packed rows of each sequence, cut into the Q blocks the varlen grid's programs own."""
+    """The packed rows cut into the Q blocks the varlen grid's programs own, labelled p (launch order)."""
     import matplotlib.pyplot as plt
     cu = cu_seqlens_from_lengths(lengths)
     seq_idx, q_start = varlen_block_map_ref(cu, BLOCK_M)
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 1.9))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    spare = 0
     for p, (b, s) in enumerate(zip(seq_idx.tolist(), q_start.tolist())):
-        row0 = int(cu[b]) + s
-        rows = min(BLOCK_M, lengths[b] - s)
-        ax.barh(0, rows, left=row0, color=colors[b % len(colors)], edgecolor="k", lw=0.6)
-        ax.text(row0 + rows / 2, 0, f"p{p}\n({b},{s})", ha="center", va="center", fontsize=7)
+        if b < 0:
+            spare += 1
+            continue
+        rows = min(BLOCK_M, int(cu[b + 1]) - s)
+        ax.barh(0, rows, left=s, color=colors[b % len(colors)], edgecolor="k", lw=0.6)
+        ax.text(s + rows / 2, 0, f"p{p}\n({b},{s})", ha="center", va="center", fontsize=7)
     for b, n in enumerate(lengths):
         if n == 0:
             ax.axvline(int(cu[b]), color="r", lw=1, ls=":")
-            ax.text(int(cu[b]), 0.45, f"seq {b}: empty", color="r", fontsize=7, ha="center")
+            ax.text(int(cu[b]), -0.5, f"seq {b}: empty", color="r", fontsize=7, ha="center", va="bottom")
     ax.set_xlim(0, max(1, int(cu[-1])))
     ax.set_yticks([])
     ax.set_xlabel("packed row (token) of q [total_q, H, d]")
-    ax.set_title(f"lengths {list(lengths)}, BLOCK_M = {BLOCK_M}: program p owns (seq_idx, q_start)", fontsize=9)
+    ax.set_title(f"lengths {list(lengths)}, BLOCK_M = {BLOCK_M}: program p owns (seq_idx, q_start); "
+                 f"P = {len(seq_idx)}, {spare} spare", fontsize=9)
     return ax
 
 
@@ -271,7 +294,7 @@ def gather_kv_ref(k_pages, block_table, cache_seqlens, b):
     """
     block_size = k_pages.shape[1]
     n = int(cache_seqlens[b])
-    t = torch.arange(n)                                          # [n] token positions
+    t = torch.arange(n, device=block_table.device)               # [n] token positions
     blocks = block_table[b, t // block_size].long()               # [n] physical block of each token
     return k_pages[blocks, t % block_size]                        # [n, Hkv, d]
 
@@ -310,7 +333,7 @@ class PagedKVCache:
             new = self.allocator.allocate(need)
             self.block_table[b, len(self.blocks[b]):len(self.blocks[b]) + need] = torch.tensor(new, dtype=torch.int32)
             self.blocks[b] += new
-        t = torch.arange(n0, n0 + n)                                       # [n] positions of the new tokens
+        t = torch.arange(n0, n0 + n, device=self.block_table.device)       # [n] positions of the new tokens
         blocks = self.block_table[b, t // self.block_size].long()          # [n] the same lookup as gather_kv
         self.k_pages[blocks, t % self.block_size] = k.to(self.k_pages.dtype)
         self.v_pages[blocks, t % self.block_size] = v.to(self.v_pages.dtype)

@@ -14,16 +14,21 @@ from helpers.check import lesson10 as C
 
 
 # ------------------------------------------------------------------ exercise 1: varlen_block_map
-def _map_loop(cu_seqlens, BLOCK_M, n_blocks=lambda n, bm: -(-n // bm), start=lambda cu, b, m, bm: m * bm,
-              block_first=False, dtype=torch.int32):
-    cu = cu_seqlens.tolist()
-    nb = [n_blocks(cu[b + 1] - cu[b], BLOCK_M) for b in range(len(cu) - 1)]
-    if block_first:
-        pairs = [(b, m) for m in range(max(nb, default=0)) for b in range(len(nb)) if m < nb[b]]
-    else:
-        pairs = [(b, m) for b in range(len(nb)) for m in range(nb[b])]
-    return (torch.tensor([b for b, _ in pairs], dtype=dtype),
-            torch.tensor([start(cu, b, m, BLOCK_M) for b, m in pairs], dtype=dtype))
+def _map_loop(cu_seqlens, BLOCK_M, n_blocks=lambda n, bm: -(-n // bm), start=lambda cu, b, m, bm: cu[b] + m * bm,
+              order="largest first", P=None, spare=-1, dtype=torch.int32):
+    """A learner's loop: the (b, m) pairs, sorted, padded to P; knobs plant one mistake each."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    B = len(cu) - 1
+    pairs = [(b, m) for b in range(B) for m in range(n_blocks(cu[b + 1] - cu[b], BLOCK_M))]
+    if order == "largest first":
+        pairs.sort(key=lambda p: -p[1])
+    elif order == "smallest first":
+        pairs.sort(key=lambda p: p[1])
+    n = (P or (lambda t, B, bm: (t + B * (bm - 1)) // bm))(cu[-1], B, BLOCK_M)
+    pairs = pairs[:n]
+    seq = [b for b, _ in pairs] + [spare] * (n - len(pairs))
+    starts = [start(cu, b, m, BLOCK_M) for b, m in pairs] + [spare] * (n - len(pairs))
+    return torch.tensor(seq, dtype=dtype), torch.tensor(starts, dtype=dtype)
 
 
 def map_floor(cu, BLOCK_M):
@@ -38,66 +43,111 @@ def map_plus_one(cu, BLOCK_M):
     return _map_loop(cu, BLOCK_M, n_blocks=lambda n, bm: (n + bm) // bm)
 
 
-def map_global_rows(cu, BLOCK_M):
-    return _map_loop(cu, BLOCK_M, start=lambda cu, b, m, bm: cu[b] + m * bm)
+def map_local_rows(cu, BLOCK_M):
+    return _map_loop(cu, BLOCK_M, start=lambda cu, b, m, bm: m * bm)
 
 
 def map_block_numbers(cu, BLOCK_M):
-    return _map_loop(cu, BLOCK_M, start=lambda cu, b, m, bm: m)
+    return _map_loop(cu, BLOCK_M, start=lambda cu, b, m, bm: cu[b] + m)
 
 
-def map_block_first(cu, BLOCK_M):
-    return _map_loop(cu, BLOCK_M, block_first=True)
+def map_sequence_order(cu, BLOCK_M):
+    return _map_loop(cu, BLOCK_M, order="sequence")
 
 
-def map_cumulative_as_lengths(cu, BLOCK_M):
-    lengths = cu[1:].long()
-    nb = (lengths + BLOCK_M - 1) // BLOCK_M
-    seq = torch.repeat_interleave(torch.arange(len(nb)), nb)
-    first = nb.cumsum(0) - nb
-    return seq.int(), ((torch.arange(len(seq)) - first[seq]) * BLOCK_M).int()
+def map_smallest_first(cu, BLOCK_M):
+    return _map_loop(cu, BLOCK_M, order="smallest first")
+
+
+def map_no_spares(cu, BLOCK_M):
+    seq, start = _map_loop(cu, BLOCK_M)
+    return seq[seq >= 0], start[seq >= 0]
+
+
+def map_spares_zero(cu, BLOCK_M):
+    return _map_loop(cu, BLOCK_M, spare=0)
+
+
+def map_small_P(cu, BLOCK_M):
+    return _map_loop(cu, BLOCK_M, P=lambda t, B, bm: -(-t // bm))
+
+
+def map_cumulative_as_lengths(cu, BLOCK_M):        # lengths read as cu_seqlens[b + 1]
+    c = [int(x) for x in cu.tolist()]
+    B = len(c) - 1
+    pairs = sorted(((b, m) for b in range(B) for m in range(-(-c[b + 1] // BLOCK_M))), key=lambda p: -p[1])
+    P = (c[-1] + B * (BLOCK_M - 1)) // BLOCK_M
+    pairs = pairs[:P]
+    pad = [-1] * (P - len(pairs))
+    return (torch.tensor([b for b, _ in pairs] + pad, dtype=torch.int32),
+            torch.tensor([c[b] + m * BLOCK_M for b, m in pairs] + pad, dtype=torch.int32))
 
 
 def map_int64(cu, BLOCK_M):
     return tuple(t.long() for t in _map_loop(cu, BLOCK_M))
 
 
-def map_cat_crashes_on_empty(cu, BLOCK_M):
-    seqs, starts = [], []
+def map_cat_crashes_on_empty(cu, BLOCK_M):         # right until no sequence has a token
+    seqs, ms = [], []
     for b in range(len(cu) - 1):
         n = int(cu[b + 1] - cu[b])
         if n:
             m = torch.arange(-(-n // BLOCK_M))
             seqs.append(torch.full_like(m, b))
-            starts.append(m * BLOCK_M)
-    return torch.cat(seqs).int(), torch.cat(starts).int()
+            ms.append(m)
+    seq, m = torch.cat(seqs), torch.cat(ms)
+    order = torch.sort(-m, stable=True).indices
+    B = len(cu) - 1
+    P = (int(cu[-1]) + B * (BLOCK_M - 1)) // BLOCK_M
+    out = torch.full((2, P), -1, dtype=torch.int32)
+    out[0, :len(m)] = seq[order].int()
+    out[1, :len(m)] = (cu.long()[seq] + m * BLOCK_M)[order].int()
+    return out[0], out[1]
 
 
-def map_other_way(cu_seqlens, BLOCK_M):           # correct: a Python loop, int64 cast at the end
+def map_other_way(cu_seqlens, BLOCK_M):           # correct: one pass per block index, largest first
+    cu = cu_seqlens.tolist()
+    B, total = len(cu) - 1, cu[-1]
+    lengths = [cu[b + 1] - cu[b] for b in range(B)]
+    most = max([-(-n // BLOCK_M) for n in lengths], default=0)
     seq_idx, q_start = [], []
-    for b in range(len(cu_seqlens) - 1):
-        n = int(cu_seqlens[b + 1]) - int(cu_seqlens[b])
-        for s in range(0, n, BLOCK_M):
-            seq_idx.append(b)
-            q_start.append(s)
-    return torch.tensor(seq_idx, dtype=torch.int64).to(torch.int32), torch.tensor(q_start).to(torch.int32)
+    for m in reversed(range(most)):
+        for b in range(B):
+            if m * BLOCK_M < lengths[b]:
+                seq_idx.append(b)
+                q_start.append(cu[b] + m * BLOCK_M)
+    P = (total + B * (BLOCK_M - 1)) // BLOCK_M
+    pad = [-1] * (P - len(seq_idx))
+    return torch.tensor(seq_idx + pad, dtype=torch.int64).to(torch.int32), torch.tensor(q_start + pad).to(torch.int32)
 
 
-def map_searchsorted(cu_seqlens, BLOCK_M):        # correct: block prefix sums and searchsorted
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    cu_blocks = torch.cat([torch.zeros(1, dtype=torch.long), ((lengths + BLOCK_M - 1) // BLOCK_M).cumsum(0)])
+def map_lexsort(cu_seqlens, BLOCK_M):             # correct: vectorised, sort key -m * B + b
+    cu = cu_seqlens.long()
+    B = len(cu) - 1
+    nb = (cu[1:] - cu[:-1] + BLOCK_M - 1) // BLOCK_M
+    cu_blocks = torch.cat([torch.zeros(1, dtype=torch.long), nb.cumsum(0)])
     p = torch.arange(int(cu_blocks[-1]))
     seq = torch.searchsorted(cu_blocks, p, right=True) - 1
-    return seq.to(torch.int32), ((p - cu_blocks[seq]) * BLOCK_M).to(torch.int32)
+    m = p - cu_blocks[seq]
+    order = torch.argsort(-m * (B + 1) + seq)
+    P = (int(cu[-1]) + B * (BLOCK_M - 1)) // BLOCK_M
+    out = torch.full((2, P), -1, dtype=torch.int32)
+    out[0, :len(p)] = seq[order].int()
+    out[1, :len(p)] = (cu[seq] + m * BLOCK_M)[order].int()
+    return out[0], out[1]
 
 
 @pytest.mark.parametrize("fn, words", [
     (map_floor, ["ragged last block", "cdiv"]),
     (map_empty_gets_a_block, ["empty sequence got a block"]),
     (map_plus_one, ["one block too many"]),
-    (map_global_rows, ["not in the packed tensor", "cu_seqlens[b]"]),
-    (map_block_numbers, ["not the block number"]),
-    (map_block_first, ["ordered block first"]),
+    (map_local_rows, ["in the packed tensor", "cu_seqlens[b] + m * BLOCK_M"]),
+    (map_block_numbers, ["not a block number"]),
+    (map_sequence_order, ["in sequence order", "largest first"]),
+    (map_smallest_first, ["smallest block index first"]),
+    (map_no_spares, ["no spare entries", "(-1, -1)"]),
+    (map_spares_zero, ["must be (-1, -1)"]),
+    (map_small_P, ["too small"]),
     (map_cumulative_as_lengths, ["prefix sums", "cu_seqlens[b + 1] - cu_seqlens[b]"]),
     (map_int64, ["int32"]),
     (map_cat_crashes_on_empty, ["empty sequences", "torch.cat of an empty list"]),
@@ -106,7 +156,7 @@ def test_varlen_block_map_bug_rejected(fn, words):
     rejects(check.varlen_block_map, fn, *words)
 
 
-@pytest.mark.parametrize("fn", [map_other_way, map_searchsorted, L.varlen_block_map_ref])
+@pytest.mark.parametrize("fn", [map_other_way, map_lexsort, L.varlen_block_map_ref])
 def test_varlen_block_map_correct_ways_pass(fn, strict, capsys):
     check.varlen_block_map(fn)
     assert "✅ varlen_block_map" in capsys.readouterr().out
@@ -118,10 +168,20 @@ def test_the_reference_and_the_checkers_loop_agree():
         assert all(torch.equal(a, b) for a, b in zip(got, want)), case.name
 
 
+def test_the_exercise_is_the_kernels_own_map():
+    """The course's varlen kernel launches exactly this map: the exercise's spec is the kernel's."""
+    pytest.importorskip("triton")
+    tv = pytest.importorskip("helpers.triton_varlen")
+    for case in C._map_cases():
+        got, want = tv.varlen_block_map(*case.args), L.varlen_block_map_ref(*case.args)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), case.name
+
+
 def test_every_map_bug_model_differs_from_the_answer_on_some_case():
     """Each hint can fire: its model gives another answer than the truth on at least one case."""
-    for hint, kw in C._map_bugs():
-        assert any(not C._same_pair(C._map_model(*c.args, **kw), C._map_model(*c.args)) for c in C._map_cases()), hint
+    for i, (hint, _) in enumerate(C._map_bugs()):
+        assert any(not C._same_pair(list(C._bug_models(*c.args))[i][1](), C._map_model(*c.args))
+                   for c in C._map_cases()), hint
 
 
 # ------------------------------------------------------------------ exercise 2: gather_kv

@@ -1,8 +1,8 @@
 """Checkers of lesson 10, serving: the varlen grid's program map and the paged cache's page lookup.
 
-References: ``helpers.lesson10.varlen_block_map_ref`` is built from the lengths with
-``repeat_interleave``; the checker's own expectation is a plain double loop over sequences and
-blocks (two ways, so neither hides a slip of the other; a test keeps them equal). The page lookup
+References: the program map of the course's varlen kernel (``helpers.triton_varlen.varlen_block_map``;
+``helpers.lesson10.varlen_block_map_ref`` restates it without Triton, and a test keeps the three equal);
+the checker's own expectation is a plain loop over (sequence, block) with knobs for the bugs. The page lookup
 is checked against the contiguous cache the pool was filled from, never against a lookup.
 Layouts (the library's): ``cu_seqlens`` int32 ``[B + 1]``; pools ``[num_blocks, block_size, Hkv, d]``,
 ``block_table`` int32 ``[B, max_blocks]``, ``cache_seqlens`` int32 ``[B]``.
@@ -17,24 +17,34 @@ from ._common import gen
 
 
 # ------------------------------------------------------------------ exercise 1: varlen_block_map
-def _map_model(cu, BLOCK_M, *, n_blocks=None, start=None, order="seq", lengths=None):
-    """(seq_idx, q_start) int32 by a double loop, with knobs for the mistakes learners make.
+def _cdiv(n, bm):
+    return -(-n // bm)
 
-    n_blocks(n, BLOCK_M): blocks of a sequence of n tokens (default cdiv); start(b, m, cu, BLOCK_M):
-    the entry's q_start (default m * BLOCK_M); order "seq" (sequence, then block) or "block" (block,
-    then sequence: the FA2 grid's order); lengths(cu): the lengths (default the differences).
+
+def _map_model(cu, BLOCK_M, *, n_blocks=_cdiv, start=None, order="largest first", P=None, spare=-1,
+               lengths=None):
+    """(seq_idx, q_start) int32 by a plain loop over (sequence, block), with knobs for learners' mistakes.
+
+    n_blocks(n, BLOCK_M): blocks of a sequence of n tokens; start(b, m, cu, BLOCK_M): the entry's
+    q_start (default the packed row cu[b] + m * BLOCK_M); order: "largest first" (block index m
+    descending, ties in sequence order), "sequence" (sequence, then block) or "smallest first";
+    P(total, B, BLOCK_M): the number of entries (default the bound); spare: the value of unused
+    entries; lengths(cu): the lengths (default the differences of cu).
     """
     cu_l = [int(x) for x in cu.tolist()]
-    ns = lengths(cu_l) if lengths else [cu_l[i + 1] - cu_l[i] for i in range(len(cu_l) - 1)]
-    nb = [(n_blocks or (lambda n, bm: -(-n // bm)))(n, BLOCK_M) for n in ns]
-    start = start or (lambda b, m, cu_l, bm: m * bm)
-    if order == "seq":
-        pairs = [(b, m) for b in range(len(ns)) for m in range(nb[b])]
-    else:
-        pairs = [(b, m) for m in range(max(nb, default=0)) for b in range(len(ns)) if m < nb[b]]
-    seq_idx = torch.tensor([b for b, _ in pairs], dtype=torch.int32)
-    q_start = torch.tensor([start(b, m, cu_l, BLOCK_M) for b, m in pairs], dtype=torch.int32)
-    return seq_idx, q_start
+    B = len(cu_l) - 1
+    ns = lengths(cu_l) if lengths else [cu_l[i + 1] - cu_l[i] for i in range(B)]
+    start = start or (lambda b, m, cu_l, bm: cu_l[b] + m * bm)
+    pairs = [(b, m) for b in range(B) for m in range(n_blocks(ns[b], BLOCK_M))]   # sequence by sequence
+    if order == "largest first":
+        pairs.sort(key=lambda bm: -bm[1])                                         # stable: ties keep sequence order
+    elif order == "smallest first":
+        pairs.sort(key=lambda bm: bm[1])
+    n = (P or (lambda t, B, bm: (t + B * (bm - 1)) // bm))(cu_l[-1], B, BLOCK_M)
+    pairs = pairs[:n]
+    seq_idx = [b for b, _ in pairs] + [spare] * (n - len(pairs))
+    q_start = [start(b, m, cu_l, BLOCK_M) for b, m in pairs] + [spare] * (n - len(pairs))
+    return torch.tensor(seq_idx, dtype=torch.int32), torch.tensor(q_start, dtype=torch.int32)
 
 
 def _map_case(name, lengths, BLOCK_M, note=""):
@@ -48,36 +58,68 @@ def _map_cases():
         _map_case("the lesson's example: lengths [5, 0, 12, 3], BLOCK_M = 4", [5, 0, 12, 3], 4),
         _map_case("one sequence, ragged last block", [37], 16),
         _map_case("every length a multiple of BLOCK_M", [16, 32, 48], 16,
-                  note="no ragged block: cdiv(n, BLOCK_M) == n // BLOCK_M here, and (n + BLOCK_M) // BLOCK_M is one too many"),
+                  note="no ragged block: cdiv(n, BLOCK_M) == n // BLOCK_M here, and (n + BLOCK_M) // BLOCK_M is "
+                       "one too many"),
         _map_case("empty first and last sequences", [0, 9, 0, 0, 20, 0], 8,
                   note="a sequence of 0 tokens has no query block and no program"),
-        _map_case("every sequence empty", [0, 0, 0], 4, note="no programs at all: two empty int32 tensors"),
+        _map_case("every sequence empty", [0, 0, 0], 4, note="no real block: every entry is a spare (-1, -1)"),
         _map_case("BLOCK_M = 1 (one program per token)", [3, 1, 0, 2], 1),
         _map_case("BLOCK_M larger than every sequence", [7, 3, 12], 64),
-        _map_case(f"random: 12 sequences of 0..70 tokens, BLOCK_M = 16", random12, 16),
-        _map_case("long-tailed: 40 sequences, BLOCK_M = 32", long_tailed_lengths(40, seed=7, median=24, max_len=300), 32),
+        _map_case("random: 12 sequences of 0..70 tokens, BLOCK_M = 16", random12, 16),
+        _map_case("long-tailed: 40 sequences, BLOCK_M = 32",
+                  long_tailed_lengths(40, seed=7, median=24, max_len=300), 32),
     ]
 
 
+_P_RULE = ("P = (total_q + B * (BLOCK_M - 1)) // BLOCK_M entries, total_q = cu_seqlens[-1]: every sequence's "
+           "last block leaves at most BLOCK_M - 1 rows empty, so this bounds the real blocks without reading "
+           "the lengths, which live on the GPU (the host sizes the grid before any of them is read)")
+
+
 def _map_bugs():
-    cdiv = lambda n, bm: -(-n // bm)  # noqa: E731
     return [
         ("the ragged last block of each sequence is missing: a sequence of n tokens needs cdiv(n, BLOCK_M) = "
          "(n + BLOCK_M - 1) // BLOCK_M blocks, not n // BLOCK_M", dict(n_blocks=lambda n, bm: n // bm)),
         ("an empty sequence got a block: a sequence of 0 tokens has cdiv(0, BLOCK_M) = 0 blocks and no program "
-         "(max(1, ...) or a do-while loop gives it one, and that program would read the next sequence's rows)",
-         dict(n_blocks=lambda n, bm: max(1, cdiv(n, bm)))),
+         "(max(1, ...) gives it one, and that program would own the next sequence's rows)",
+         dict(n_blocks=lambda n, bm: max(1, _cdiv(n, bm)))),
         ("one block too many when n is a multiple of BLOCK_M: cdiv(n, BLOCK_M) is (n + BLOCK_M - 1) // BLOCK_M, "
          "not (n + BLOCK_M) // BLOCK_M", dict(n_blocks=lambda n, bm: (n + bm) // bm)),
-        ("q_start is the block's first row in its own sequence (m * BLOCK_M), not in the packed tensor: the "
-         "kernel adds cu_seqlens[b] itself (and needs the local row for the causal offset)",
-         dict(start=lambda b, m, cu, bm: cu[b] + m * bm)),
-        ("q_start is a row, m * BLOCK_M, not the block number m", dict(start=lambda b, m, cu, bm: m)),
-        ("the entries are ordered block first (all sequences' block 0, then block 1, ...): the exercise asks "
-         "for sequence first, then block (the order of the kernel's flat grid)", dict(order="block")),
+        ("q_start is the block's first row in the packed tensor, cu_seqlens[b] + m * BLOCK_M, not its row "
+         "inside the sequence (m * BLOCK_M): the program loads q[q_start:q_start + BLOCK_M]",
+         dict(start=lambda b, m, cu, bm: m * bm)),
+        ("q_start is a row, cu_seqlens[b] + m * BLOCK_M, not a block number",
+         dict(start=lambda b, m, cu, bm: cu[b] + m)),
+        ("the entries are in sequence order: the kernel's order is by block index m, largest first (ties in "
+         "sequence order), so the causal blocks with the most keys start first. Sort the (b, m) pairs by -m "
+         "with a stable sort", dict(order="sequence")),
+        ("the entries are sorted smallest block index first: the kernel starts the largest m first (a causal "
+         "block m sees about (m + 1) * BLOCK_M keys: the longest work goes first, the short blocks fill in)",
+         dict(order="smallest first")),
+        ("no spare entries: the map has " + _P_RULE + "; the entries past the real blocks are (-1, -1)",
+         None),                       # its model is _no_spares (see _bug_models)
+        ("the spare entries past the real blocks must be (-1, -1), so their programs do nothing; 0 would make "
+         "them redo rows 0.. of sequence 0", dict(spare=0)),
+        ("P = cdiv(total_q, BLOCK_M) is too small: every sequence can leave a partly empty last block, so "
+         "blocks are lost. " + _P_RULE, dict(P=lambda t, B, bm: _cdiv(t, bm))),
         ("cu_seqlens holds prefix sums: sequence b's length is cu_seqlens[b + 1] - cu_seqlens[b], not "
          "cu_seqlens[b + 1]", dict(lengths=lambda cu: cu[1:])),
     ]
+
+
+def _no_spares(cu, BLOCK_M):
+    """The map without its spare entries: exactly the real blocks."""
+    seq_idx, q_start = _map_model(cu, BLOCK_M)
+    keep = seq_idx >= 0
+    return seq_idx[keep], q_start[keep]
+
+
+def _bug_models(cu, BLOCK_M):
+    for hint, kw in _map_bugs():
+        if "no spare entries" in hint:
+            yield hint, lambda: _no_spares(cu, BLOCK_M)
+        else:
+            yield hint, lambda kw=kw: _map_model(cu, BLOCK_M, **kw)
 
 
 def _int32_1d(g, t, what):
@@ -87,7 +129,7 @@ def _int32_1d(g, t, what):
                hint="the kernel's program map is int32, like cu_seqlens: convert with .to(torch.int32) "
                     "(or build it with dtype=torch.int32)")
     if t.dim() != 1:
-        g.fail(f"`{what}` has shape {list(t.shape)}, expected a 1-D tensor [num_blocks]",
+        g.fail(f"`{what}` has shape {list(t.shape)}, expected a 1-D tensor [P]",
                hint="one entry per program: flatten the (sequence, block) pairs into one list")
     return t
 
@@ -105,33 +147,32 @@ def _check_map(g, out, case):
     got = (seq_idx.detach().cpu(), q_start.detach().cpu())
     if _same_pair(got, want):
         return
-    hint = next((h for h, kw in _map_bugs() if _same_pair(got, _map_model(cu, BLOCK_M, **kw))), "")
+    hint = next((h for h, model in _bug_models(cu, BLOCK_M) if _same_pair(got, model())), "")
     n_want = want[0].numel()
     if got[0].numel() != got[1].numel():
         g.fail(f"seq_idx has {got[0].numel()} entries and q_start {got[1].numel()}: they must be equal, one "
                "pair per program", hint=hint)
     if got[0].numel() != n_want:
-        g.fail(f"{got[0].numel()} programs, expected {n_want}",
-               hint=hint or "sequence b of n_b = cu_seqlens[b+1] - cu_seqlens[b] tokens has cdiv(n_b, BLOCK_M) "
-                            "query blocks (none when n_b = 0); the map lists them all")
+        g.fail(f"{got[0].numel()} entries, expected P = {n_want}", hint=hint or _P_RULE)
     bad = [i for i in range(n_want) if (int(got[0][i]), int(got[1][i])) != (int(want[0][i]), int(want[1][i]))]
     i = bad[0]
     g.fail(f"entry {i}: got (seq_idx, q_start) = ({int(got[0][i])}, {int(got[1][i])}), expected "
            f"({int(want[0][i])}, {int(want[1][i])}); {len(bad)} of {n_want} entries wrong",
-           hint=hint or "entries go sequence by sequence, and within a sequence block by block: "
-                        "(0, 0), (0, BLOCK_M), ..., then (1, 0), ... with q_start = m * BLOCK_M")
+           hint=hint or "list the real blocks (b, m) with q_start = cu_seqlens[b] + m * BLOCK_M, order them by m, "
+                        "largest first (a stable sort keeps sequences in order within one m), then pad to P "
+                        "entries with (-1, -1)")
 
 
 @exercise("varlen_block_map", arg_names=["cu_seqlens", "BLOCK_M"])
 def varlen_block_map(g):
     for case in _map_cases():
         out = g.call(case, error_hint="" if "empty" not in case.name else
-                     "empty sequences (and a batch with no tokens at all) must work: give them no block, and "
-                     "build the result so that zero blocks is an empty int32 tensor (torch.cat of an empty "
-                     "list raises: torch.tensor([], dtype=torch.int32) does not)")
+                     "empty sequences (and a batch with no tokens at all) must work: give them no block, and build "
+                     "the result so that zero real blocks still works (torch.cat of an empty list raises; "
+                     "torch.tensor([], dtype=torch.int32) does not)")
         _check_map(g, out, case)
         g.count()
-    return f"{g.cases} cases match the program map (ordered by sequence, then block)"
+    return f"{g.cases} cases match the kernel's program map (largest block index first, spares -1)"
 
 
 # ------------------------------------------------------------------ exercise 2: gather_kv
