@@ -416,3 +416,21 @@ def test_serving_results_read_the_older_graph_key_and_a_missing_file(tmp_path, c
     assert "4321" in text
     L.show_serving_results(path=tmp_path / "missing.json")
     assert "no recorded results" in capsys.readouterr().out
+
+
+def test_the_notebooks_words_about_the_mixes_hold():
+    """Section 1's prose: in every mix padding's FLOP waste exceeds its byte waste, the uniform mix is the
+    kindest, and the long-tailed mixes multiply the work most (the table prints the figures)."""
+    from conftest import ROOT
+    import nbformat
+    nb = nbformat.read(ROOT / "solutions" / "10_serving.ipynb", as_version=4)
+    src = next(c.source for c in nb.cells if c.cell_type == "code" and "mixes = {" in c.source)
+    assert "L.uniform_lengths(64, seed=0)" in src and "L.long_tailed_lengths(64, seed=0, median=512, sigma=1.0)" in src \
+        and "L.few_long_many_short(64, n_long=4, long=8192, seed=0)" in src
+    shape = dict(H=32, Hkv=8, d=128, causal=True, bytes_per_elem=2)
+    mixes = [L.uniform_lengths(64, seed=0), L.long_tailed_lengths(64, seed=0, median=512, sigma=1.0),
+             L.few_long_many_short(64, n_long=4, long=8192, seed=0)]
+    ws = [L.padding_waste(m, **shape) for m in mixes]
+    assert all(w["flops_ratio"] > w["bytes_ratio"] > 1 for w in ws)
+    assert ws[0]["flops_ratio"] < min(ws[1]["flops_ratio"], ws[2]["flops_ratio"])
+    assert min(mixes[0]) >= 512
