@@ -292,8 +292,17 @@ def gather_kv_ref(k_pages, block_table, cache_seqlens, b):
     Token t lives in physical block ``block_table[b, t // block_size]``, row ``t % block_size``;
     entries of ``block_table[b]`` past ``cdiv(cache_seqlens[b], block_size)`` are padding, never read.
     """
+    if k_pages.dim() != 4 or block_table.dim() != 2 or cache_seqlens.dim() != 1:
+        raise ValueError(f"expected k_pages [num_blocks, block_size, Hkv, d], block_table [B, max_blocks], "
+                         f"cache_seqlens [B]; got {list(k_pages.shape)}, {list(block_table.shape)}, "
+                         f"{list(cache_seqlens.shape)}")
+    if not 0 <= b < block_table.shape[0]:
+        raise ValueError(f"sequence b = {b} is not in the batch of {block_table.shape[0]}")
     block_size = k_pages.shape[1]
     n = int(cache_seqlens[b])
+    if n > block_table.shape[1] * block_size:
+        raise ValueError(f"cache_seqlens[{b}] = {n} tokens need {-(-n // block_size)} blocks; the table's row "
+                         f"has {block_table.shape[1]}")
     t = torch.arange(n, device=block_table.device)               # [n] token positions
     blocks = block_table[b, t // block_size].long()               # [n] physical block of each token
     return k_pages[blocks, t % block_size]                        # [n, Hkv, d]

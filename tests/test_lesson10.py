@@ -434,3 +434,13 @@ def test_the_notebooks_words_about_the_mixes_hold():
     assert all(w["flops_ratio"] > w["bytes_ratio"] > 1 for w in ws)
     assert ws[0]["flops_ratio"] < min(ws[1]["flops_ratio"], ws[2]["flops_ratio"])
     assert min(mixes[0]) >= 512
+
+
+def test_gather_kv_ref_rejects_bad_input():
+    k_pages, table, seqlens = torch.zeros(4, 2, 1, 3), torch.zeros(2, 2, dtype=torch.int32), torch.tensor([3, 5])
+    with pytest.raises(ValueError, match="not in the batch"):
+        L.gather_kv_ref(k_pages, table, seqlens, 2)
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        L.gather_kv_ref(k_pages, table, seqlens, 1)
+    with pytest.raises(ValueError, match="expected k_pages"):
+        L.gather_kv_ref(k_pages[0], table, seqlens, 0)
