@@ -77,7 +77,7 @@ def _warm_one(job):
     q, k, v, do, dk, dv = (torch.empty(1, 1, N, d, device="cuda", dtype=dt) for _ in range(6))
     lse2, delta = (torch.empty(1, 1, N, device="cuda", dtype=torch.float32) for _ in range(2))
     bm, bn, w, s = cfg
-    meta = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    meta = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)  # N = 1024
     try:
         if kind == "dkdv":
             dq = torch.empty(1, 1, N, d, device="cuda", dtype=torch.float32 if atomic else dt)
@@ -220,7 +220,12 @@ def sdpa_fwd(backend, causal):
     return fwd
 
 
-def run(quick, save=None):
+def flex_wanted(which, dtype, N):
+    """FlexAttention compiles once per shape (static shapes): 'some' = bf16 at N 4096 and 16384 only."""
+    return which == "all" or (which == "some" and dtype == "bfloat16" and N in (4096, 16384))
+
+
+def run(quick, save=None, flex="some"):
     rows = []
     for dtype, d, causal, N, B, H in cases(quick):
         torch.manual_seed(N + d)
@@ -245,7 +250,8 @@ def run(quick, save=None):
                 log(f"    sdpa {name} refused: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
                 row[f"sdpa_{name}_tflops"] = None
         try:
-            row["flex_tflops"] = tf(time_backward(flex_fn(causal, N), q, k, v, do))
+            row["flex_tflops"] = (tf(time_backward(flex_fn(causal, N), q, k, v, do))
+                                  if flex_wanted(flex, dtype, N) else None)
         except Exception as e:
             log(f"    flex failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
             row["flex_tflops"] = None
@@ -299,7 +305,7 @@ def sweep():
                                     dq32.zero_()
                                 tb._bwd_dkdv[(triton.cdiv(N, bn), B * H)](
                                     q, k, v, do, lse2, delta, dk, dv, dq32 if atomic else dq, N, N, 0, sc * LOG2E, sc,
-                                    HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=bn,
+                                    HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=bn, EVEN=True,
                                     num_warps=w, num_stages=s)
                             go()
                             line[tag] = round(bench_ms(go, rep=40), 4)
@@ -313,7 +319,7 @@ def sweep():
                         def go():
                             tb._bwd_dq[(triton.cdiv(N, bm), B * H)](
                                 q, k, v, do, lse2, delta, dq, N, N, 0, sc * LOG2E, sc,
-                                HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+                                HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)
                         go()
                         line[tag] = round(bench_ms(go, rep=40), 4)
                     except Exception as e:
@@ -415,6 +421,8 @@ def main():
     ap.add_argument("--no-ragged", action="store_true")
     ap.add_argument("--flex-check", action="store_true", help="only FlexAttention dynamic vs static, one shape")
     ap.add_argument("--ragged-only", action="store_true", help="only the ragged correctness checks")
+    ap.add_argument("--flex", choices=["all", "some", "none"], default="some",
+                    help="which rows time FlexAttention (one compile per shape): some = bf16, N 4096 and 16384")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_bwd.py needs a CUDA GPU")
@@ -458,7 +466,8 @@ def main():
         "date": datetime.date.today().isoformat(), "dq_mode": tb.DEFAULT_DQ_MODE,
         "timing": "o.backward(do) alone, triton.testing.do_bench median, L2 flushed; "
                   "FLOPs = 2.5 x 4*B*H*N^2*d, halved when causal",
-        "flex": "torch.compile(flex_attention, dynamic=False), recompile limit 256, causal through create_block_mask",
+        "flex": "torch.compile(flex_attention, dynamic=False), recompile limit 256, causal through create_block_mask; "
+                f"rows: {args.flex} (some = bf16 at N 4096 and 16384; null elsewhere)",
         "rule": "each gradient's max error vs float64 autograd (first and last head) <= 2 x SDPA's + 1e-5"}
     if not args.no_ragged:
         result["backward_ragged"] = ragged_checks()
@@ -468,7 +477,7 @@ def main():
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    save(run(args.quick, save))
+    save(run(args.quick, save, args.flex))
     try:
         plot(result, os.path.join(args.out, f"{stem}_backward.png"))
     except Exception:

@@ -3,7 +3,8 @@
 Two public functions:
 
 * ``flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left") -> (O, lse)``:
-  the FlashAttention-2 forward pass. One program owns BLOCK_M query rows of one
+  the FlashAttention-2 forward pass (k, v may have fewer heads than q: grouped-query
+  attention). One program owns BLOCK_M query rows of one
   (batch, head), keeps them in registers and streams the keys and values past
   them BLOCK_N at a time, with the online softmax (``m_i``, ``l_i``, ``acc``,
   ``alpha``) in base 2: ``log2(e)`` is folded into ``qk_scale`` so every
@@ -13,9 +14,11 @@ Two public functions:
   tiles no row sees (never visited).
 * ``flash_decode_triton(q, k, v, num_splits=None) -> O``: one new token per
   sequence against a long KV cache (Flash-Decoding). The cache is cut into
-  ``num_splits`` pieces, a split kernel writes a partial ``(O_s, lse_s)`` per
-  piece, and a combine kernel merges them with weights ``exp(lse_s - lse)``.
+  ``num_splits`` pieces, each program writes a partial ``(O_s, lse_s)`` for its
+  piece, and the last program of a head to finish (an atomic counter) merges
+  them with weights ``exp(lse_s - lse)``: one kernel launch per call.
   Grouped-query attention: query head ``h`` reads KV head ``h // (H // Hkv)``.
+  The same kernel serves ``flash_attn_with_kvcache_triton`` (helpers/triton_kvcache.py).
 
 References: Dao, "FlashAttention-2" (2023), Algorithm 1; Dao et al.,
 "Flash-Decoding for long-context inference" (2023); the fused-attention and
@@ -67,7 +70,7 @@ _interpreting = interpreting
 def _attn_fwd_inner(
     acc, l_i, m_i, q,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M]; q [BLOCK_M, D]
     k_ptrs, v_ptrs, stride_kn, stride_vn,  # pointer path: tile of key/value rows at start_n = 0
-    desc_k, desc_v, kv_row0,  # TMA path: descriptors over [B*H*Nk, D], first row of this head
+    desc_k, desc_v, kv_row0, kv_col0,  # TMA path: 2-D descriptors; this head's keys start at (kv_row0, kv_col0)
     lo, hi,  # key range [lo, hi) to visit, lo a multiple of BLOCK_N
     offs_m, offs_n, qk_scale, Nk, diag,  # diag: row i sees keys j <= i + diag (causal)
     BLOCK_N: tl.constexpr,
@@ -79,8 +82,8 @@ def _attn_fwd_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         # -- load one tile of keys and values --------------------------------
         if USE_TMA:
-            k = desc_k.load([kv_row0 + start_n, 0])  # [BLOCK_N, D]
-            v = desc_v.load([kv_row0 + start_n, 0])  # [BLOCK_N, D]
+            k = desc_k.load([kv_row0 + start_n, kv_col0])  # [BLOCK_N, D]
+            v = desc_v.load([kv_row0 + start_n, kv_col0])  # [BLOCK_N, D]
         elif MASKED:
             in_range = (start_n + offs_n)[:, None] < Nk  # [BLOCK_N, 1]
             k = tl.load(k_ptrs + start_n * stride_kn, mask=in_range, other=0.0)  # [BLOCK_N, D]
@@ -113,44 +116,21 @@ def _attn_fwd_inner(
 
 
 @triton.jit
-def _attn_fwd(
-    Q, K, V, O, LSE,
-    desc_k, desc_v,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om,
-    H, N, Nk, diag, qk_scale,
+def _attn_fwd_rows(
+    q,  # [BLOCK_M, D] this block's query rows (zeros past the last row)
+    k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,  # as in _attn_fwd_inner
+    start_m, offs_m, offs_n, qk_scale, Nk, diag,  # start_m: block index; offs_m: rows from 0 of the sequence
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    # grid = (cdiv(N, BLOCK_M), B * H); causal blocks run heaviest (last) first
-    if CAUSAL:
-        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
+    """One block of query rows against keys [0, Nk): returns (O [BLOCK_M, D] float32, lse [BLOCK_M] natural log).
 
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows
-    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N] key rows within a tile
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
-
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
-    o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D]
-    kv_row0 = off_bh * Nk  # first row of this head in the [B*H*Nk, D] view
-
-    row_ok = offs_m < N  # [BLOCK_M] the last block may run past N
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
-
+    Shared by the dense forward and the packed variable-length one (helpers/triton_varlen.py): the caller
+    finds the rows and the keys, this visits the key tiles in their classes and normalises.
+    """
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running numerator
@@ -167,12 +147,12 @@ def _attn_fwd(
         band_hi = Nk
 
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,
         0, band_lo, offs_m, offs_n, qk_scale, Nk, diag,
         BLOCK_N, False, CAUSAL, USE_TMA,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,
         band_lo, band_hi, offs_m, offs_n, qk_scale, Nk, diag,
         BLOCK_N, True, CAUSAL, USE_TMA,
     )
@@ -182,6 +162,54 @@ def _attn_fwd(
     l_safe = tl.where(empty, 1.0, l_i)
     acc = acc / l_safe[:, None]  # [BLOCK_M, D]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # [BLOCK_M] natural log
+    return acc, lse
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE,
+    desc_k, desc_v,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    H, Hkv, N, Nk, diag, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    # grid = (cdiv(N, BLOCK_M), B * H); causal blocks run heaviest (last) first
+    if CAUSAL:
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_hkv = off_h // (H // Hkv)  # grouped-query attention: H // Hkv query heads share a KV head
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N] key rows within a tile
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+    o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D]
+    kv_row0 = (off_b * Hkv + off_hkv) * Nk  # first row of this KV head in the [B*Hkv*Nk, D] view
+
+    row_ok = offs_m < N  # [BLOCK_M] the last block may run past N
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+
+    acc, lse = _attn_fwd_rows(
+        q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, 0,
+        start_m, offs_m, offs_n, qk_scale, Nk, diag,
+        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA,
+    )
     tl.store(LSE + off_bh.to(tl.int64) * N + offs_m, lse, mask=row_ok)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None])
 
@@ -254,7 +282,8 @@ def _use_tma_default(q):
 def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *, use_tma=None, config=None):
     """Attention forward: returns ``(O, lse)``.
 
-    q: [B, H, N, d]; k, v: [B, H, Nk, d] (Nk may differ from N). fp16 or bf16 on
+    q: [B, H, N, d]; k, v: [B, Hkv, Nk, d] (Nk may differ from N; H a multiple of
+    Hkv: grouped-query attention, query head h reads KV head h // (H // Hkv)). fp16 or bf16 on
     a GPU (fp32 too, with tf32 dot products); fp32 or fp16 under the interpreter.
     O: [B, H, N, d] in q's dtype; lse: [B, H, N] float32, natural log of each
     row's softmax denominator (with the scale applied), -inf for a row that sees
@@ -280,11 +309,13 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     B, H, N, d = q.shape
-    Bk, Hk, Nk, dk = k.shape
-    if (Bk, Hk, dk) != (B, H, d):
-        raise ValueError(f"k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}], got {tuple(k.shape)}")
+    Bk, Hkv, Nk, dk = k.shape
+    if (Bk, dk) != (B, d):
+        raise ValueError(f"k must be [B, Hkv, Nk, d] = [{B}, Hkv, Nk, {d}], got {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads (k is {tuple(k.shape)})")
     if d not in (16, 32, 64, 128, 256):
         raise ValueError(f"head dimension d must be one of 16, 32, 64, 128, 256; got {d}")
     if N == 0 or Nk == 0 or B == 0 or H == 0:
@@ -303,8 +334,8 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
     desc_k = desc_v = None
     if use_tma:
         dummy_block = [16, d]  # replaced by the config's pre_hook
-        desc_k = TensorDescriptor.from_tensor(k.view(B * H * Nk, d), dummy_block)  # [B*H*Nk, d]
-        desc_v = TensorDescriptor.from_tensor(v.view(B * H * Nk, d), dummy_block)  # [B*H*Nk, d]
+        desc_k = TensorDescriptor.from_tensor(k.view(B * Hkv * Nk, d), dummy_block)  # [B*Hkv*Nk, d]
+        desc_v = TensorDescriptor.from_tensor(v.view(B * Hkv * Nk, d), dummy_block)  # [B*Hkv*Nk, d]
 
     args = (
         q, k, v, o, lse, desc_k, desc_v,
@@ -312,7 +343,7 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        H, N, Nk, diag, qk_scale,
+        H, Hkv, N, Nk, diag, qk_scale,
     )
     if _interpreting() or config is not None:
         cfg = dict(_INTERPRETER_FWD_CONFIG if config is None else config)
@@ -328,51 +359,151 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
 
 
 # ----------------------------------------------------------------------------
-# Decode: split kernel and combine kernel
+# Decode: one kernel, split-KV with the combine inside (one launch per call)
 # ----------------------------------------------------------------------------
+#
+# One kernel serves flash_decode_triton (k, v [B, Hkv, Nk, d], every sequence Nk keys, one
+# query token) and flash_attn_with_kvcache_triton in helpers/triton_kvcache.py (a cache
+# [B, Nmax, Hkv, d] or pages [num_blocks, PAGE, Hkv, d] with a block table, a length per
+# sequence, Nq new tokens with a bottom-right causal mask).
+#
+# grid = (S, B * Hkv * NUM_RB). A program owns one piece (split) of one sequence's keys
+# for one KV head, and all the query rows that read that head: the GROUP = H / Hkv query
+# heads times the NQ new tokens, NQ * GROUP rows packed into a [BLOCK_H, D] tile (>= 16
+# rows, so the dot products use the tensor cores; more than _MAX_BLOCK_H rows are cut into
+# NUM_RB row blocks). Each program writes a partial (O_s, lse_s), then increments a counter
+# of its (b, kv head, row block); the program that brings it to S merges the S partials,
+# writes O and resets the counter to 0 for the next call.
 
 
 @triton.jit
-def _decode_split(
-    Q, K, V, O, O_part, LSE_part,  # all contiguous: q [B, H, D], k and v [B, Hkv, Nk, D]
-    Hkv, Nk, keys_per_split, num_splits, qk_scale,
+def _decode_tail_offsets(
+    BlockTable, table_row, start_n, hi, offs_n, offs_d, tile, head_off, stride_kb,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TOKEN_STRIDE: tl.constexpr,
+):
+    """Element offsets [BLOCK_N, D] of keys start_n .. start_n + BLOCK_N - 1 (those < hi valid) in K and V.
+
+    tile [BLOCK_N, D] holds the offsets inside one contiguous tile. Contiguous (PAGE = 0):
+    head_off already holds the sequence's and head's start. Paged: token t lives in page
+    BlockTable[b, t // PAGE], row t % PAGE; a tile that fits in one page (BLOCK_N <= PAGE,
+    tiles start at multiples of BLOCK_N) needs one scalar load of the table, smaller pages
+    are gathered row by row (rows >= hi read page 0 and are masked by the caller)."""
+    if PAGE == 0:
+        offs = head_off + start_n.to(tl.int64) * TOKEN_STRIDE + tile  # scalar + [BLOCK_N, D]
+    elif BLOCK_N <= PAGE:
+        page = tl.load(BlockTable + table_row + start_n // PAGE).to(tl.int64)  # scalar; start_n < hi
+        offs = head_off + page * stride_kb + (start_n % PAGE) * TOKEN_STRIDE + tile  # [BLOCK_N, D]
+    else:
+        tok = start_n + offs_n  # [BLOCK_N]
+        page = tl.load(BlockTable + table_row + tok // PAGE, mask=tok < hi, other=0).to(tl.int64)  # [BLOCK_N]
+        row = head_off + page * stride_kb + (tok % PAGE) * TOKEN_STRIDE  # [BLOCK_N]
+        offs = row[:, None] + offs_d[None, :]  # [BLOCK_N, D]
+    return offs
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, O,  # q and O: [B, NQ, H, D] contiguous ([B, H, D] when NQ = 1); K, V: see HEAD_MAJOR, PAGE
+    O_part, LSE_part, Counter,  # workspace: [P, S, BLOCK_H, D] f32, [P, S, BLOCK_H] f32, [P] int32 (P = grid[1])
+    SeqLens, BlockTable,  # int32 [B] (VARLEN); int32 [B, max_blocks] (PAGE > 0)
+    Nk,  # keys per sequence (not VARLEN) or the cache's capacity per sequence (VARLEN: lengths are clamped to it)
+    stride_kb,  # elements from one sequence (contiguous) or one page (paged) to the next
+    max_blocks,  # the block table's row length
+    num_splits, qk_scale,
+    HKV: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head (H // Hkv)
-    BLOCK_H: tl.constexpr,  # GROUP padded up to a dot-product tile (>= 16)
+    NQ: tl.constexpr,  # new query tokens per sequence
+    NUM_RB: tl.constexpr,  # row blocks: cdiv(NQ * GROUP, BLOCK_H)
+    BLOCK_H: tl.constexpr,  # query rows per program (>= 16)
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    DIRECT: tl.constexpr,  # num_splits == 1: write the final O here, no combine needed
+    HEAD_MAJOR: tl.constexpr,  # True: K [B, Hkv, Nk, D]; False: [B, Nmax, Hkv, D] or pages [n, PAGE, Hkv, D]
+    PAGE: tl.constexpr,  # 0: contiguous cache; else the page (block) size, a power of two
+    VARLEN: tl.constexpr,  # lengths from SeqLens (else every sequence has Nk keys)
+    CAUSAL: tl.constexpr,  # bottom-right: query row i sees keys j <= len - NQ + i
+    DIRECT: tl.constexpr,  # num_splits == 1: write O directly, no partials, no counter
 ):
-    # grid = (num_splits, B * Hkv): one program = one KV head, one piece of the cache,
-    # all GROUP query heads that read this KV head
     split = tl.program_id(0)
-    off_bkv = tl.program_id(1)
-    off_b = off_bkv // Hkv
-    off_hkv = off_bkv % Hkv
+    pid = tl.program_id(1)  # (b, kv head, row block)
+    rb = pid % NUM_RB
+    off_bkv = pid // NUM_RB
+    off_b = off_bkv // HKV
+    off_hkv = off_bkv % HKV
 
-    offs_g = tl.arange(0, BLOCK_H)  # [BLOCK_H] query heads of the group
+    # -- the query tile: row r = i * GROUP + g is new token i of query head hkv * GROUP + g
+    offs_r = rb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
-    head_ok = offs_g < GROUP
-    heads = off_hkv * GROUP + offs_g  # [BLOCK_H] query head index h
+    row_ok = offs_r < NQ * GROUP
+    qi = offs_r // GROUP  # [BLOCK_H] new token of each row
+    head = off_hkv * GROUP + offs_r % GROUP  # [BLOCK_H] query head of each row
+    q_row = ((off_b * NQ + qi) * (HKV * GROUP) + head).to(tl.int64) * HEAD_DIM  # [BLOCK_H] row start in q and O
+    q = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_H, D]
 
-    bh = (off_b * (Hkv * GROUP) + heads).to(tl.int64)  # [BLOCK_H] row of q and O in [B*H, D]
-    q = tl.load(Q + bh[:, None] * HEAD_DIM + offs_d[None, :], mask=head_ok[:, None], other=0.0)  # [BLOCK_H, D]
-    kv_base = off_bkv.to(tl.int64) * Nk * HEAD_DIM  # start of this KV head's [Nk, D] slab
-    k_ptrs = K + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
-    v_ptrs = V + kv_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
+    # -- this sequence's keys, and which of them each row sees
+    if VARLEN:
+        seqlen = tl.minimum(tl.maximum(tl.load(SeqLens + off_b), 0), Nk)  # clamped: never read past the cache
+    else:
+        seqlen = Nk
+    if CAUSAL:
+        diag = seqlen - NQ + 1  # row i sees keys j < diag + i
+        row_end = tl.minimum(tl.maximum(diag + qi, 0), seqlen)  # [BLOCK_H] exclusive end per row
+        first_r = rb * BLOCK_H
+        last_r = tl.minimum(first_r + BLOCK_H, NQ * GROUP) - 1
+        all_end = tl.maximum(diag + first_r // GROUP, 0)  # keys < all_end: seen by every row of the tile
+        key_end = tl.maximum(diag + last_r // GROUP, 0)  # keys >= key_end: seen by none
+    else:
+        row_end = tl.full([BLOCK_H], 0, tl.int32) + seqlen
+        all_end = seqlen
+        key_end = seqlen
 
-    lo = split * keys_per_split  # keys_per_split is a multiple of BLOCK_N
-    hi = tl.minimum(lo + keys_per_split, Nk)
-    full_hi = tl.maximum(lo, (hi // BLOCK_N) * BLOCK_N)  # full tiles end here; [full_hi, hi) is ragged
+    # -- this split's keys [lo, hi): the sequence cut in num_splits pieces of whole tiles
+    keys_per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, key_end)
+    full_hi = lo + tl.maximum(tl.minimum(hi, all_end) - lo, 0) // BLOCK_N * BLOCK_N  # unmasked tiles end here
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    TOKEN_STRIDE: tl.constexpr = HEAD_DIM if HEAD_MAJOR else HKV * HEAD_DIM
+    if PAGE == 0:
+        if HEAD_MAJOR:
+            head_off = off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * Nk * HEAD_DIM
+        else:
+            head_off = off_b.to(tl.int64) * stride_kb + off_hkv * HEAD_DIM
+    else:
+        head_off = (off_hkv * HEAD_DIM).to(tl.int64)
+    table_row = off_b.to(tl.int64) * max_blocks
+    tile = offs_n[:, None] * TOKEN_STRIDE + offs_d[None, :]  # [BLOCK_N, D] offsets inside a contiguous tile
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
 
-    for start_n in range(lo, full_hi, BLOCK_N):  # full tiles: no mask
+    # Paged: the page numbers of the next tile are loaded one iteration ahead (carried in
+    # `pages`), so the K/V addresses of a tile do not wait on a load of the same iteration
+    # and Triton's pipeliner keeps num_stages - 1 tiles in flight, as for a contiguous cache.
+    # (With the table load in the same iteration it keeps one: measured as shared memory of
+    # the sm_90 compile, 72 KB instead of 136 KB at BLOCK_N = 128, num_stages = 3.)
+    if PAGE == 0:
+        pages = 0
+    elif BLOCK_N <= PAGE:  # one page per tile: a scalar
+        pages = tl.load(BlockTable + table_row + lo // PAGE, mask=lo < full_hi, other=0)
+    else:  # several pages per tile: a page per key row
+        pages = tl.load(BlockTable + table_row + (lo + offs_n) // PAGE, mask=lo + offs_n < full_hi, other=0)
+    for start_n in range(lo, full_hi, BLOCK_N):  # tiles every row sees in full: no mask
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = tl.load(k_ptrs + start_n * HEAD_DIM)  # [BLOCK_N, D]
-        v = tl.load(v_ptrs + start_n * HEAD_DIM)  # [BLOCK_N, D]
+        if PAGE == 0:
+            offs = head_off + start_n.to(tl.int64) * TOKEN_STRIDE + tile  # scalar + [BLOCK_N, D]
+        elif BLOCK_N <= PAGE:
+            offs = head_off + pages.to(tl.int64) * stride_kb + (start_n % PAGE) * TOKEN_STRIDE + tile  # [BLOCK_N, D]
+            nxt = start_n + BLOCK_N
+            pages = tl.load(BlockTable + table_row + nxt // PAGE, mask=nxt < full_hi, other=0)
+        else:
+            row = head_off + pages.to(tl.int64) * stride_kb + ((start_n + offs_n) % PAGE) * TOKEN_STRIDE  # [BLOCK_N]
+            offs = row[:, None] + offs_d[None, :]  # [BLOCK_N, D]
+            nxt = start_n + BLOCK_N + offs_n  # [BLOCK_N]
+            pages = tl.load(BlockTable + table_row + nxt // PAGE, mask=nxt < full_hi, other=0)
+        k = tl.load(K + offs)  # [BLOCK_N, D]
+        v = tl.load(V + offs)  # [BLOCK_N, D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_H]
         p = tl.math.exp2(qk * qk_scale - m_ij[:, None])  # [BLOCK_H, BLOCK_N]
@@ -381,66 +512,81 @@ def _decode_split(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_H, D]
         m_i = m_ij
 
-    if full_hi < hi:  # the ragged last tile of the cache
-        key_ok = (full_hi + offs_n) < hi  # [BLOCK_N]
-        k = tl.load(k_ptrs + full_hi * HEAD_DIM, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_ptrs + full_hi * HEAD_DIM, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+    for start_n in range(full_hi, hi, BLOCK_N):  # the ragged end and the causal band: masked
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n  # [BLOCK_N]
+        key_ok = cols < hi  # [BLOCK_N]
+        offs = _decode_tail_offsets(BlockTable, table_row, start_n, hi, offs_n, offs_d, tile, head_off, stride_kb,
+                                    BLOCK_N, PAGE, TOKEN_STRIDE)  # [BLOCK_N, D]
+        k = tl.load(K + offs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(V + offs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
-        qk = tl.where(key_ok[None, :], qk * qk_scale, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))  # finite: key_ok has at least one key
-        p = tl.math.exp2(qk - m_ij[:, None])  # [BLOCK_H, BLOCK_N]
-        alpha = tl.math.exp2(m_i - m_ij)
+        keep = key_ok[None, :] & (cols[None, :] < row_end[:, None])  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_H]; -inf for a row that has seen no key yet
+        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # subtract 0 there instead (no NaN)
+        p = tl.math.exp2(qk - m_sub[:, None])  # [BLOCK_H, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_H]
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_H, D]
         m_i = m_ij
 
-    # partial result of this split; a split with no keys writes O_s = 0, lse_s = -inf
+    # -- this split's partial result; a split (or row) with no keys: O_s = 0, lse_s = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o_s = acc / l_safe[:, None]  # [BLOCK_H, D]
-    lse_s = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # [BLOCK_H]
+    o_ptrs = O + q_row[:, None] + offs_d[None, :]  # [BLOCK_H, D]
     if DIRECT:
-        tl.store(O + bh[:, None] * HEAD_DIM + offs_d[None, :], o_s.to(O.dtype.element_ty), mask=head_ok[:, None])
+        tl.store(o_ptrs, o_s.to(O.dtype.element_ty), mask=row_ok[:, None])
     else:
-        row = bh * num_splits + split  # [BLOCK_H] index into [B, H, S]
-        tl.store(LSE_part + row, lse_s, mask=head_ok)
-        tl.store(O_part + row[:, None] * HEAD_DIM + offs_d[None, :], o_s, mask=head_ok[:, None])
-
-
-@triton.jit
-def _decode_combine(
-    O_part, LSE_part, O,
-    num_splits,
-    BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
-    HEAD_DIM: tl.constexpr,
-):
-    # grid = (B * H,): one program merges the num_splits partial results of one query head
-    off_bh = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
-    s_ok = offs_s < num_splits
-    lse_s = tl.load(LSE_part + off_bh * num_splits + offs_s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
-    o_s = tl.load(O_part + (off_bh * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=s_ok[:, None], other=0.0)  # [BLOCK_S, D]
-    lse_max = tl.max(lse_s, 0)  # scalar; -inf only if no split saw a key
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp(lse_s - lse_max)  # [BLOCK_S]; 0 for an empty split
-    denom = tl.sum(w, 0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    o = tl.sum(w[:, None] * o_s, 0) / denom  # [D]
-    tl.store(O + off_bh * HEAD_DIM + offs_d, o.to(O.dtype.element_ty))
+        lse_s = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))  # [BLOCK_H] base 2
+        offs_h = tl.arange(0, BLOCK_H)
+        part0 = pid.to(tl.int64) * num_splits * BLOCK_H  # this (b, kv head, row block)'s partials
+        part = part0 + split * BLOCK_H + offs_h  # [BLOCK_H]
+        tl.store(LSE_part + part, lse_s)
+        tl.store(O_part + part[:, None] * HEAD_DIM + offs_d[None, :], o_s)
+        # Every thread's partial is written before one thread counts this split done (the
+        # barrier), and the count is a release at GPU scope: a program that reads count
+        # S - 1 has acquired every other split's partial.
+        tl.debug_barrier()
+        done = tl.atomic_add(Counter + pid, 1, sem="acq_rel", scope="gpu")  # splits finished before this one
+        if done == num_splits - 1:  # the last split of this (b, kv head, row block): merge
+            # .cg: read from L2 (coherent across SMs), never a stale L1 line
+            lse_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+            for s in range(0, num_splits):
+                lse_max = tl.maximum(lse_max, tl.load(LSE_part + part0 + s * BLOCK_H + offs_h, cache_modifier=".cg"))
+            lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a row no split saw: weights 0
+            o_sum = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+            w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for s in range(0, num_splits):
+                rows_s = part0 + s * BLOCK_H + offs_h  # [BLOCK_H]
+                w = tl.math.exp2(tl.load(LSE_part + rows_s, cache_modifier=".cg") - lse_ref)  # [BLOCK_H]
+                o_p = tl.load(O_part + rows_s[:, None] * HEAD_DIM + offs_d[None, :], cache_modifier=".cg")
+                o_sum += w[:, None] * o_p  # [BLOCK_H, D]
+                w_sum += w
+            o_fin = o_sum / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]  # [BLOCK_H, D]
+            tl.store(o_ptrs, o_fin.to(O.dtype.element_ty), mask=row_ok[:, None])
+            tl.atomic_xchg(Counter + pid, 0)  # ready for the next call, no memset launch
 
 
 _INTERPRETER_DECODE_CONFIG = dict(BLOCK_N=16, num_warps=4, num_stages=1)
-_SPLIT_ALIGN = 128  # keys per split: a multiple of every BLOCK_N below, so only the last split is ragged
+_SPLIT_ALIGN = 128  # _pick_num_splits keeps at least 4 * _SPLIT_ALIGN keys a split
+_MAX_BLOCK_H = 64  # query rows per program; NQ * GROUP rows beyond it take more row blocks
 # (BLOCK_N, num_warps, num_stages): each program holds one SM (64-192 KB of pipelined K/V tiles)
 _DECODE_SHAPES = [(128, 4, 3), (64, 4, 4), (128, 8, 3), (64, 4, 3)]
 
-# A decode step is short (~0.1 ms for a 512 MiB cache), so the Python cost of a
-# launch matters: the tuned choice is kept in a plain dict (not triton.autotune),
-# the SM count is cached, and the split kernel takes no stride arguments.
-_decode_choice = {}  # (device, dtype, B, Hkv, Nk, num_splits, group, d) -> config dict
+# A decode step is short (~0.1 ms for a 512 MiB cache), so the Python cost of a call matters:
+# one launch (the combine is inside the kernel), the tuned choice kept in a plain dict (not
+# triton.autotune), the SM count cached, the partials' workspace and the counters cached per
+# device, no device sync anywhere.
+_decode_choice = {}  # _decode_key(...) -> config dict
 _sm_count = {}
+_workspace = {}  # device -> (O_part f32, LSE_part f32, counters int32), flat, grown when too small
+# Why reusing one workspace and one set of counters is safe: calls on one stream run one after
+# another, and each call leaves every counter it used at 0 (the merging program resets it).
+# Calls on two streams at once would share them and race: such a caller needs a workspace per
+# stream (key _workspace by the stream too). A call inside CUDA-graph capture that would need a
+# bigger workspace gets its own, uncached, so the graph never depends on a buffer this module drops.
 
 
 def _num_sms(device):
@@ -452,16 +598,51 @@ def _num_sms(device):
     return _sm_count[idx]
 
 
+def _capturing(device):
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _decode_workspace(device, programs, num_splits, block_h, d):
+    """(O_part, LSE_part, counters) with room for this call; counters all 0 between calls."""
+    n_lse = programs * num_splits * block_h
+    ws = _workspace.get(device)
+    if ws is not None and ws[1].numel() >= n_lse and ws[0].numel() >= n_lse * d and ws[2].numel() >= programs:
+        return ws
+    old = ws or (torch.empty(0), torch.empty(0), torch.empty(0))
+    new = (
+        torch.empty(max(n_lse * d, old[0].numel()), device=device, dtype=torch.float32),  # [P * S * BLOCK_H * D]
+        torch.empty(max(n_lse, old[1].numel()), device=device, dtype=torch.float32),  # [P * S * BLOCK_H]
+        old[2] if old[2].numel() >= programs else torch.zeros(programs, device=device, dtype=torch.int32),  # [P]
+    )
+    if not _capturing(device):
+        _workspace[device] = new
+    return new
+
+
 def _tune_decode(key, launch):
     """Time each shape of _DECODE_SHAPES once for this key; keep the fastest."""
-    best = None
+    best, error = None, None
     for bn, w, s in _DECODE_SHAPES:
         cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=s)
-        ms = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=25, return_mode="median")
+        try:
+            ms = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=25, return_mode="median")
+        except triton.runtime.errors.OutOfResources as e:  # e.g. d = 256: these tiles overflow shared memory
+            error = e
+            continue
         if best is None or ms < best[0]:
             best = (ms, cfg)
+    if best is None:
+        raise error
     _decode_choice[key] = best[1]
     return best[1]
+
+
+def _cdiv(a, b):  # triton.cdiv and triton.next_power_of_2 cost ~5 us a call on the host (Triton 3.9)
+    return -(-a // b)
+
+
+def _next_pow2(n):
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _pick_num_splits(batch_kv_heads, Nk, num_sms, max_splits=128):
@@ -473,16 +654,82 @@ def _pick_num_splits(batch_kv_heads, Nk, num_sms, max_splits=128):
     ceil(B*Hkv*S / num_sms) waves; S is the smallest split count whose waves
     are at least 95% full. Each split keeps at least 4 * _SPLIT_ALIGN keys.
     """
+    key = (batch_kv_heads, Nk, num_sms, max_splits)
+    if key not in _splits_memo:  # a loop of up to max_splits steps: once per shape
+        _splits_memo[key] = _pick_num_splits_uncached(*key)
+    return _splits_memo[key]
+
+
+_splits_memo = {}
+
+
+def _pick_num_splits_uncached(batch_kv_heads, Nk, num_sms, max_splits):
     cap = max(1, min(max_splits, Nk // (4 * _SPLIT_ALIGN)))
     best, best_fill = 1, 0.0
     for s in range(1, cap + 1):
         programs = batch_kv_heads * s
-        fill = programs / (num_sms * triton.cdiv(programs, num_sms))  # busy fraction of the SM slots
+        fill = programs / (num_sms * _cdiv(programs, num_sms))  # busy fraction of the SM slots
         if fill >= 0.95:
             return s
         if fill > best_fill + 1e-9:
             best, best_fill = s, fill
     return best
+
+
+def _decode_rows(group, nq):
+    """(BLOCK_H, NUM_RB): the [BLOCK_H, D] query tile of a program and how many cover NQ * GROUP rows."""
+    rows = group * nq
+    block_h = max(16, min(_next_pow2(rows), _MAX_BLOCK_H))
+    return block_h, _cdiv(rows, block_h)
+
+
+def _decode_key(q, B, Hkv, Nk, num_splits, group, nq, d, page, causal):
+    return (q.device, q.dtype, B, Hkv, Nk, num_splits, group, nq, d, page, causal)
+
+
+def _check_num_splits(num_splits):
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+
+def _decode_launch(q, k, v, o, seqlens, block_table, *, B, Hkv, group, nq, d, Nk, stride_kb, max_blocks,
+                   head_major, page, causal, num_splits, sm_scale, config):
+    """Launch _decode_kernel once (validated inputs; shared by both wrappers); fills o."""
+    block_h, num_rb = _decode_rows(group, nq)
+    programs = B * Hkv * num_rb
+    if num_splits is None:
+        num_splits = _pick_num_splits(programs, Nk, _num_sms(q.device))
+    else:
+        _check_num_splits(num_splits)
+    direct = num_splits == 1
+    if direct:  # nothing to merge: the kernel writes O (the workspace arguments are unused)
+        o_part = lse_part = counters = o
+    else:
+        o_part, lse_part, counters = _decode_workspace(q.device, programs, num_splits, block_h, d)
+    qk_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * LOG2E
+    args = (q, k, v, o, o_part, lse_part, counters,
+            o if seqlens is None else seqlens, o if block_table is None else block_table,
+            Nk, stride_kb, max_blocks, num_splits, qk_scale)
+    meta = dict(HKV=Hkv, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, HEAD_DIM=d,
+                HEAD_MAJOR=head_major, PAGE=page, VARLEN=seqlens is not None, CAUSAL=causal, DIRECT=direct)
+    grid = (num_splits, programs)
+
+    def launch(cfg):
+        _decode_kernel[grid](*args, **meta, **cfg)
+
+    if config is None and _interpreting():
+        config = _INTERPRETER_DECODE_CONFIG
+    if config is None:
+        key = _decode_key(q, B, Hkv, Nk, num_splits, group, nq, d, page, causal)
+        config = _decode_choice.get(key)
+        if config is None:
+            # timing inside CUDA-graph capture is impossible: take the first shape there, untuned
+            config = dict(zip(("BLOCK_N", "num_warps", "num_stages"), _DECODE_SHAPES[0])) \
+                if _capturing(q.device) else _tune_decode(key, launch)
+    launch(config)
+    return o
 
 
 def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None):
@@ -491,7 +738,7 @@ def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None)
     q: [B, H, d]; k, v: [B, Hkv, Nk, d] with H a multiple of Hkv (query head h
     reads KV head h // (H // Hkv)). No mask: the new token sees the whole cache.
     num_splits: how many pieces the cache is cut into; None picks it from
-    B*Hkv, Nk and the SM count.
+    B*Hkv, Nk and the SM count. One kernel launch per call, whatever num_splits.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -514,44 +761,9 @@ def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None)
         raise ValueError(f"head dimension d must be one of 16, 32, 64, 128, 256; got {d}")
     if B == 0 or Nk == 0:
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    group = H // Hkv
-    if num_splits is None:
-        num_splits = _pick_num_splits(B * Hkv, Nk, _num_sms(q.device))
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-        raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    align = 16 if _interpreting() else _SPLIT_ALIGN
-    keys_per_split = triton.cdiv(triton.cdiv(Nk, num_splits), align) * align  # whole tiles per split
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(d)
-    qk_scale = float(sm_scale) * LOG2E
-
-    direct = num_splits == 1
+    if num_splits is not None:
+        _check_num_splits(num_splits)
     o = torch.empty_like(q)  # [B, H, d]
-    if direct:  # nothing to combine: the split kernel writes O
-        o_part = lse_part = o
-    else:
-        o_part = torch.empty((B, H, num_splits, d), device=q.device, dtype=torch.float32)  # [B, H, S, d]
-        lse_part = torch.empty((B, H, num_splits), device=q.device, dtype=torch.float32)  # [B, H, S]
-    args = (q, k, v, o, o_part, lse_part, Hkv, Nk, keys_per_split, num_splits, qk_scale)
-    meta = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, DIRECT=direct)
-    grid = (num_splits, B * Hkv)
-
-    def launch(cfg):
-        _decode_split[grid](*args, **meta, **cfg)
-
-    if config is None and _interpreting():
-        config = _INTERPRETER_DECODE_CONFIG
-    if config is None:
-        key = (q.device, q.dtype, B, Hkv, Nk, num_splits, group, d)
-        config = _decode_choice.get(key) or _tune_decode(key, launch)
-    if keys_per_split % config["BLOCK_N"]:
-        raise ValueError(f"config BLOCK_N must divide {align}")
-    launch(config)
-    if not direct:
-        _decode_combine[(B * H,)](
-            o_part, lse_part, o, num_splits,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
-        )
-    return o
+    return _decode_launch(q, k, v, o, None, None, B=B, Hkv=Hkv, group=H // Hkv, nq=1, d=d, Nk=Nk,
+                          stride_kb=Hkv * Nk * d, max_blocks=0, head_major=True, page=0, causal=False,
+                          num_splits=num_splits, sm_scale=sm_scale, config=config)

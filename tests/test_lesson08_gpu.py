@@ -1,18 +1,18 @@
 """Lesson 08's GPU section: the ``dkdv_inner`` checker, its planted bugs, and the recorded-results helpers.
 
 Runs under the Triton interpreter on a CPU (tests/conftest.py sets TRITON_INTERPRET=1). The answer
-is taken from the one source, ``bench/lesson08_gpu_cells.py`` (until the coordinator pastes the cells
-into notebook 08): the cell holding ``def dkdv_inner`` is written to a module file (Triton reads a
-kernel's source from its file) and each planted bug is a one-line edit of that source.
+is taken from the one source, the worked notebook ``solutions/08_backward_pass.ipynb``: the code cell
+holding ``def dkdv_inner`` is written to a module file (Triton reads a kernel's source from its file)
+and each planted bug is a one-line edit of that source.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
-import re
 from pathlib import Path
 
 import matplotlib
+import nbformat
 import pytest
 import torch
 
@@ -22,13 +22,13 @@ from helpers import check, lesson08_gpu  # noqa: E402
 from helpers.generate import stub_source  # noqa: E402
 from tests.conftest import rejects  # noqa: E402
 
-CELLS = Path(__file__).resolve().parent.parent / "bench" / "lesson08_gpu_cells.py"
+NOTEBOOK = Path(__file__).resolve().parent.parent / "solutions" / "08_backward_pass.ipynb"
 HEADER = "import triton\nimport triton.language as tl\n\n"
 
 
 def _cell_source() -> str:
-    cells = re.split(r"^# %%.*$", CELLS.read_text(), flags=re.M)
-    (src,) = [c for c in cells if "def dkdv_inner" in c]
+    cells = nbformat.read(NOTEBOOK, as_version=4).cells
+    (src,) = [c.source for c in cells if c.cell_type == "code" and "def dkdv_inner" in c.source]
     return src.strip() + "\n"
 
 

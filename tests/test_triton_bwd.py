@@ -148,6 +148,8 @@ def test_validation_messages():
         flash_attn_bwd_triton(do[:, :, :3], q, k, v, o, lse)
     with pytest.raises(ValueError, match="dq_mode"):
         flash_attn_bwd_triton(do, q, k, v, o, lse, dq_mode="fast")
+    with pytest.raises(ValueError, match="no grouped-query attention"):  # the forward takes Hkv < H, this does not
+        flash_attention(q, k[:, :1].contiguous(), v[:, :1].contiguous())
 
 
 def test_train_gpt_tiny(tmp_path):

@@ -16,7 +16,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers.triton_attention import flash_attn_triton, flash_decode_triton, interpreting  # noqa: E402
+from helpers.triton_attention import (  # noqa: E402
+    TensorDescriptor,
+    flash_attn_triton,
+    flash_decode_triton,
+    interpreting,
+)
 
 ON_GPU = torch.cuda.is_available() and not interpreting()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -96,6 +101,37 @@ def test_forward_matches_sdpa_causal():
     assert (o.float() - ref).abs().max() < _tol(DTYPES[0])
 
 
+GQA_CASES = [
+    # B, H, Hkv, N, Nk, d, causal, align
+    (2, 4, 1, 21, 37, 16, False, "top_left"),  # multi-query: every head reads KV head 0
+    (1, 4, 2, 30, 45, 32, True, "bottom_right"),  # two groups of two, ragged tiles
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,H,Hkv,N,Nk,d,causal,align", GQA_CASES)
+def test_forward_gqa_matches_sdpa(B, H, Hkv, N, Nk, d, causal, align, dtype):
+    q, k, v = _inputs((B, H, N, d), (B, Hkv, Nk, d), dtype, seed=7 * H + Hkv)
+    # fp16 takes the load path the default does not: TMA descriptors over [B*Hkv*Nk, d] under the
+    # interpreter (where it works), plain pointers on a Hopper GPU
+    other = dtype == torch.float16 and TensorDescriptor is not None
+    o, lse = flash_attn_triton(q, k, v, causal=causal, align=align, use_tma=(not ON_GPU) if other else None)
+    assert o.shape == q.shape and lse.shape == (B, H, N)
+    mask = None
+    if causal:  # SDPA's is_causal is top-left; bottom-right as an explicit boolean mask (True = keep)
+        diag = (Nk - N) if align == "bottom_right" else 0
+        mask = torch.arange(Nk)[None, :] <= torch.arange(N)[:, None] + diag  # [N, Nk]
+    qd, kd, vd = (t.double().cpu() for t in (q, k, v))
+    o_ref = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True)
+    _report("O", o, o_ref, _tol(dtype))
+    # lse through the same grouping, done by hand: query head h reads KV head h // (H // Hkv)
+    kd_full = kd.repeat_interleave(H // Hkv, dim=1)  # [B, H, Nk, d]
+    s = (qd @ kd_full.transpose(-1, -2)) / math.sqrt(d)  # [B, H, N, Nk]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    _report("lse", lse, torch.logsumexp(s, -1), _tol(dtype) * 5)
+
+
 DECODE_CASES = [
     # B, H, Hkv, Nk, d, num_splits
     (2, 4, 4, 100, 32, None),  # MHA
@@ -131,7 +167,9 @@ def test_validation_messages():
     with pytest.raises(ValueError, match="contiguous"):
         flash_attn_triton(q.transpose(2, 3).contiguous().transpose(2, 3), k, v)
     with pytest.raises(ValueError, match="k must be"):
-        flash_attn_triton(q, k[:, :1], v[:, :1])
+        flash_attn_triton(q, k[..., :8].contiguous(), v[..., :8].contiguous())
+    with pytest.raises(ValueError, match="multiple of Hkv"):  # 2 query heads cannot share 3 KV heads
+        flash_attn_triton(q, k[:, :1].repeat(1, 3, 1, 1), v[:, :1].repeat(1, 3, 1, 1))
     with pytest.raises(ValueError, match="align"):
         flash_attn_triton(q, k, v, causal=True, align="middle")
     with pytest.raises(TypeError, match="torch.Tensor"):

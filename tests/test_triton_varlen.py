@@ -1,0 +1,212 @@
+"""Correctness of helpers/triton_varlen.py: packed variable-length attention and its grid map.
+
+Every sequence of the packed batch is compared with SDPA in float64 run on that sequence alone
+(GQA through enable_gqa, the bottom-right causal mask built explicitly) and with torch.logsumexp for
+lse; rows that see no key must give O = 0 and lse = -inf, never NaN. Lengths include 0 and 1, a
+long-tailed mix and n != nk in both directions. Under the interpreter (no CUDA): fp32 and fp16 on the
+CPU with 16 x 16 tiles; on a CUDA machine the same checks run on the GPU in fp16 and bf16.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers.triton_attention import TensorDescriptor, interpreting  # noqa: E402
+from helpers.triton_varlen import flash_attn_varlen_triton, varlen_block_m, varlen_block_map  # noqa: E402
+
+ON_GPU = torch.cuda.is_available() and not interpreting()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+TOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def _cu(lengths):
+    return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(DEVICE, torch.int32)  # [B + 1]
+
+
+def _packed(lens_q, lens_k, H, Hkv, d, dtype, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(sum(lens_q), H, d, generator=g) * scale).to(DEVICE, dtype)  # [total_q, H, d]
+    k = (torch.randn(sum(lens_k), Hkv, d, generator=g) * scale).to(DEVICE, dtype)  # [total_k, Hkv, d]
+    v = torch.randn(sum(lens_k), Hkv, d, generator=g).to(DEVICE, dtype)  # [total_k, Hkv, d]
+    return q, k, v
+
+
+def _reference_one(q, k, v, causal):
+    """One sequence, float64: q [n, H, d], k, v [nk, Hkv, d] -> O [n, H, d], lse [H, n], O = 0 on empty rows."""
+    n, H, d = q.shape
+    nk, Hkv, _ = k.shape
+    qd, kd, vd = (t.double().cpu().transpose(0, 1) for t in (q, k, v))  # [H, n, d], [Hkv, nk, d]
+    keep = torch.ones(n, nk, dtype=torch.bool)  # [n, nk]
+    if causal:  # bottom-right: row i sees key j when j <= i + nk - n
+        keep = torch.arange(nk)[None, :] <= torch.arange(n)[:, None] + (nk - n)
+    s = (qd @ kd.repeat_interleave(H // Hkv, dim=0).transpose(-1, -2)) / math.sqrt(d)  # [H, n, nk]
+    lse = torch.logsumexp(s.masked_fill(~keep, float("-inf")), dim=-1)  # [H, n]; -inf on empty rows
+    o = torch.zeros(H, n, d, dtype=torch.float64)  # [H, n, d]
+    sees = keep.any(1)  # [n] rows with at least one key
+    if nk > 0 and sees.any():
+        o[:, sees] = F.scaled_dot_product_attention(qd[:, sees], kd, vd, attn_mask=keep[sees], enable_gqa=True)
+    return o.transpose(0, 1), lse  # [n, H, d], [H, n]
+
+
+def _worst(name, b, got, want, tol):
+    err = (got.double().cpu() - want).abs()
+    if torch.isnan(got).any():
+        pytest.fail(f"{name} of sequence {b}: NaN at {torch.isnan(got).nonzero()[0].tolist()}")
+    finite = torch.isfinite(want)
+    if err[finite].numel() and err[finite].max() > tol:
+        idx = tuple((err * finite).flatten().argmax().item() // s % n for s, n in zip(_strides(err.shape), err.shape))
+        pytest.fail(f"{name} of sequence {b}: max err {err[finite].max():.3g} > {tol} at {idx} "
+                    f"(ref {want[idx].item():.5g}, got {got.double().cpu()[idx].item():.5g})")
+
+
+def _strides(shape):
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return list(reversed(out))
+
+
+def _check_all(lens_q, lens_k, H, Hkv, d, causal, dtype, seed, **kw):
+    q, k, v = _packed(lens_q, lens_k, H, Hkv, d, dtype, seed)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    o, lse = flash_attn_varlen_triton(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, **kw)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == (H, q.shape[0]) and lse.dtype == torch.float32
+    for b in range(len(lens_q)):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        o_ref, lse_ref = _reference_one(q[rq], k[rk], v[rk], causal)
+        _worst("O", b, o[rq], o_ref, TOL[dtype])
+        got_lse = lse[:, rq].double().cpu()
+        empty = torch.isinf(lse_ref)
+        assert torch.equal(torch.isneginf(got_lse), empty), f"sequence {b}: lse must be -inf on exactly the empty rows"
+        _worst("lse", b, got_lse, lse_ref, TOL[dtype] * 5)
+        assert (o[rq].cpu()[empty.T] == 0).all(), f"sequence {b}: a row that sees no key must give O = 0"
+
+
+CASES = {
+    # lens_q, lens_k, H, Hkv, d
+    "empty and single rows, n = nk": ([5, 0, 1, 40, 17], [5, 0, 1, 40, 17], 2, 2, 16),
+    "n != nk both ways, GQA 4/2": ([5, 0, 1, 33, 12, 3], [9, 3, 0, 40, 4, 3], 4, 2, 16),
+    "long-tailed, MQA 4/1": ([3, 2, 7, 1, 4, 61, 2, 5, 1], [3, 2, 7, 1, 4, 61, 2, 5, 20], 4, 1, 32),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_varlen_matches_sdpa_per_sequence(case, causal, dtype):
+    lens_q, lens_k, H, Hkv, d = CASES[case]
+    _check_all(lens_q, lens_k, H, Hkv, d, causal, dtype, seed=len(case))
+
+
+@pytest.mark.skipif(TensorDescriptor is None, reason="this Triton has no host tensor descriptors")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_other_load_path(causal):
+    """The path the default does not take here: TMA descriptors over [total_k, Hkv * d] (a column offset per
+    KV head, tiles running into the next sequence) under the interpreter; plain pointers on a Hopper GPU."""
+    lens_q, lens_k, H, Hkv, d = CASES["n != nk both ways, GQA 4/2"]
+    _check_all(lens_q, lens_k, H, Hkv, d, causal, torch.float16, seed=5, use_tma=not ON_GPU)
+
+
+def test_varlen_other_tiles_and_int64_cu_seqlens():
+    """BLOCK_M != BLOCK_N (the map is built for BLOCK_M), int64 cu_seqlens, validate off, a custom scale."""
+    lens_q, lens_k = [40, 1, 0, 23], [50, 7, 2, 23]
+    q, k, v = _packed(lens_q, lens_k, 2, 1, 32, DTYPES[0], seed=11)
+    cfg = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    o, lse = flash_attn_varlen_triton(q, k, v, _cu(lens_q).long(), _cu(lens_k).long(), 40, 50, causal=True,
+                                      sm_scale=0.1, validate=False, config=cfg)
+    o2, lse2 = flash_attn_varlen_triton(q, k, v, _cu(lens_q), _cu(lens_k), 40, 50, causal=True, sm_scale=0.1)
+    assert torch.allclose(o.float(), o2.float(), atol=TOL[DTYPES[0]])
+    premade = varlen_block_map(_cu(lens_q), varlen_block_m(32), total_q=q.shape[0])  # built once per batch
+    o3, lse3 = flash_attn_varlen_triton(q, k, v, _cu(lens_q), _cu(lens_k), 40, 50, causal=True, sm_scale=0.1,
+                                        block_map=premade)
+    assert torch.equal(o3, o2) and torch.equal(lse3, lse2)
+    with pytest.raises(ValueError, match="block_map must be"):
+        flash_attn_varlen_triton(q, k, v, _cu(lens_q), _cu(lens_k), 40, 50, block_map=premade[0])
+    cu = _cu(lens_q)
+    qd = q[:40].double().cpu().transpose(0, 1)  # sequence 0: [H, 40, d]
+    kd, vd = (t[:50].double().cpu().transpose(0, 1) for t in (k, v))  # [Hkv, 50, d]
+    keep = torch.arange(50)[None, :] <= torch.arange(40)[:, None] + 10  # [40, 50]
+    ref = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=keep, scale=0.1, enable_gqa=True).transpose(0, 1)
+    _worst("O", 0, o[:int(cu[1])], ref, TOL[DTYPES[0]])
+
+
+def test_varlen_no_queries_or_no_keys():
+    q, k, v = _packed([0, 0], [3, 4], 2, 2, 16, DTYPES[0], seed=1)
+    o, lse = flash_attn_varlen_triton(q, k, v, _cu([0, 0]), _cu([3, 4]), 0, 4)
+    assert o.shape == (0, 2, 16) and lse.shape == (2, 0)
+    q, k, v = _packed([3, 2], [0, 0], 2, 1, 16, DTYPES[0], seed=2)
+    o, lse = flash_attn_varlen_triton(q, k, v, _cu([3, 2]), _cu([0, 0]), 3, 0, causal=True)
+    assert (o == 0).all() and torch.isneginf(lse).all()
+
+
+# ---------------------------------------------------------------------------- the map
+
+
+@pytest.mark.parametrize("lengths,BLOCK_M", [([0, 1, 16, 17, 40, 0, 33], 16), ([130, 5, 0, 64, 1], 32), ([0], 16)])
+def test_block_map_covers_every_row_once_heaviest_first(lengths, BLOCK_M):
+    cu = _cu(lengths)
+    total = sum(lengths)
+    seq_idx, q_start = varlen_block_map(cu, BLOCK_M, total_q=total)
+    B = len(lengths)
+    assert seq_idx.dtype == torch.int32 and q_start.dtype == torch.int32
+    assert seq_idx.shape == q_start.shape == ((total + B * (BLOCK_M - 1)) // BLOCK_M,)
+    s, r0, cu_l = seq_idx.tolist(), q_start.tolist(), cu.tolist()
+    n_real = sum(-(-n // BLOCK_M) for n in lengths)
+    assert all(x == -1 for x in s[n_real:]) and all(x == -1 for x in r0[n_real:]), "spare programs last, marked -1"
+    hits = [0] * total
+    for b, row in zip(s[:n_real], r0[:n_real]):
+        assert 0 <= b < B and cu_l[b] <= row < cu_l[b + 1] and (row - cu_l[b]) % BLOCK_M == 0
+        for i in range(row, min(row + BLOCK_M, cu_l[b + 1])):
+            hits[i] += 1
+    assert hits == [1] * total, "every packed row belongs to exactly one program"
+    key = [(-((row - cu_l[b]) // BLOCK_M), b) for b, row in zip(s[:n_real], r0[:n_real])]
+    assert key == sorted(key), "largest block index first, equal indices in sequence order"
+    again = varlen_block_map(cu, BLOCK_M)  # total read from cu_seqlens
+    assert torch.equal(again[0], seq_idx) and torch.equal(again[1], q_start)
+
+
+# ---------------------------------------------------------------------------- bad inputs
+
+
+def test_varlen_bad_inputs():
+    lens = [3, 5]
+    q, k, v = _packed(lens, lens, 2, 1, 16, DTYPES[0], seed=0)
+    cu = _cu(lens)
+
+    def call(q=q, k=k, v=v, cu_q=cu, cu_k=cu, mq=5, mk=5, **kw):
+        return flash_attn_varlen_triton(q, k, v, cu_q, cu_k, mq, mk, **kw)
+
+    bad = [
+        (ValueError, "3 dimensions", dict(q=q[None])),
+        (TypeError, "share a dtype", dict(k=k.to(DTYPES[1]), v=v.to(DTYPES[1]))),
+        (ValueError, "multiple of Hkv", dict(k=k.repeat(1, 3, 1), v=v.repeat(1, 3, 1))),
+        (ValueError, "k must be", dict(k=k[..., :8].contiguous(), v=v[..., :8].contiguous())),
+        (ValueError, "v must have", dict(v=v[:4].contiguous())),
+        (ValueError, "1-D", dict(cu_q=cu[None])),
+        (TypeError, "int32", dict(cu_q=cu.float())),
+        (ValueError, "q's device", dict(cu_k=cu.to("meta"))),
+        (ValueError, "at least one sequence", dict(cu_q=cu[:1], cu_k=cu[:1])),
+        (ValueError, "must start at 0", dict(cu_q=cu + 1)),
+        (ValueError, "must not decrease", dict(cu_k=torch.tensor([0, 9, 8], dtype=torch.int32, device=DEVICE),
+                                               mk=100)),
+        (ValueError, r"cu_seqlens_q\[-1\] = 7 must equal total_q", dict(cu_q=_cu([3, 4]))),
+        (ValueError, "same B sequences", dict(cu_k=_cu([3, 2, 3]))),
+        (ValueError, "max_seqlen_q = 4 is smaller than sequence 1's length 5", dict(mq=4)),
+        (TypeError, "max_seqlen_k must be an int", dict(mk=5.0)),
+        (TypeError, "causal must be", dict(causal="yes")),
+        (TypeError, "torch.Tensor", dict(cu_q=cu.tolist())),
+    ]
+    for exc, msg, kw in bad:
+        with pytest.raises(exc, match=msg):
+            call(**kw)
+    call()  # and the good call runs
