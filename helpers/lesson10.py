@@ -430,12 +430,16 @@ def _ratio(a, b):
     return _f(a / b if a and b else None, 2)
 
 
-def _lengths_label(lengths) -> str:
-    if isinstance(lengths, str):
-        return lengths
-    if isinstance(lengths, (list, tuple)) and lengths:
-        return f"{len(lengths)} seqs, {min(lengths)}-{max(lengths)}"
-    return "?"
+def _lengths_label(row) -> str:
+    """A varlen row's length mix: its name ("mix") and the lengths (a list, or bench_varlen's summary dict)."""
+    lengths = row.get("lengths")
+    if isinstance(lengths, dict) and {"count", "min", "max"} <= set(lengths):
+        text = f"{lengths['count']} seqs {lengths['min']}-{lengths['max']}"
+    elif isinstance(lengths, (list, tuple)) and lengths:
+        text = f"{len(lengths)} seqs {min(lengths)}-{max(lengths)}"
+    else:
+        text = str(lengths) if lengths else ""
+    return " ".join(x for x in (str(row.get("mix") or ""), text) if x) or "?"
 
 
 def _graph_gbs(r):
@@ -448,31 +452,34 @@ def serving_tables(res) -> str:
     out = []
     out.append("varlen prefill (packed), TFLOP/s of useful work (padding not counted)")
     if rows["varlen"]:
-        out.append(f"{'dtype':>8} {'d':>4} {'causal':>6} {'H':>3} {'Hkv':>3} {'tokens':>7} {'lengths':>20} "
+        out.append("  " + results_label(res, "varlen"))
+        out.append(f"{'dtype':>8} {'d':>4} {'causal':>6} {'H':>3} {'Hkv':>3} {'tokens':>7} {'lengths':>30} "
                    f"{'varlen':>7} {'dense':>7} {'padded':>7} {'v/dense':>7} {'v/padded':>8}")
         for r in rows["varlen"]:
             t, dn, sp = r.get("triton_tflops"), r.get("dense_triton_tflops"), r.get("sdpa_padded_tflops")
             out.append(f"{r.get('dtype', '?'):>8} {r.get('d', '?'):>4} {str(bool(r.get('causal'))):>6} "
                        f"{r.get('H', '?'):>3} {r.get('Hkv', '?'):>3} {r.get('total_tokens', '?'):>7} "
-                       f"{_lengths_label(r.get('lengths')):>20} {_f(t):>7} {_f(dn):>7} {_f(sp):>7} "
+                       f"{_lengths_label(r)[:30]:>30} {_f(t):>7} {_f(dn):>7} {_f(sp):>7} "
                        f"{_ratio(t, dn):>7} {_ratio(t, sp):>8}")
     else:
         out.append(f"  {NOT_MEASURED}")
     out.append("")
     out.append("paged decode, GB/s (K and V read once)")
     if rows["paged"]:
+        out.append("  " + results_label(res, "paged"))
         out.append(f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'d':>4} {'block':>5} {'mean_len':>8} "
-                   f"{'paged':>7} {'contig':>7} {'cudnn':>7} {'p/contig':>8}")
+                   f"{'paged':>7} {'graph':>7} {'contig':>7} {'cudnn':>7} {'p/contig':>8}")
         for r in rows["paged"]:
             t, c, cu = r.get("triton_gbs"), r.get("contig_triton_gbs"), r.get("sdpa_cudnn_gbs")
             out.append(f"{r.get('dtype', '?'):>8} {r.get('B', '?'):>3} {r.get('H', '?'):>3} {r.get('Hkv', '?'):>3} "
                        f"{r.get('d', '?'):>4} {r.get('block_size', '?'):>5} {_f(r.get('mean_len')):>8} {_f(t):>7} "
-                       f"{_f(c):>7} {_f(cu):>7} {_ratio(t, c):>8}")
+                       f"{_f(_graph_gbs(r)):>7} {_f(c):>7} {_f(cu):>7} {_ratio(t, c):>8}")
     else:
         out.append(f"  {NOT_MEASURED}")
     out.append("")
     out.append("decode (contiguous cache), GB/s: do_bench and CUDA-graph timings")
     if rows["decode"]:
+        out.append("  " + results_label(res))
         out.append(f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'Nk':>7} {'d':>4} {'triton':>7} {'graph':>7} "
                    f"{'cudnn':>7} {'tri/cudnn':>9}")
         for r in sorted(rows["decode"], key=lambda r: (r.get("dtype", ""), r.get("d", 0), r.get("H", 0),
@@ -492,7 +499,6 @@ def show_serving_results(res=None, path=RESULTS) -> None:
     if res is None:
         print(f"(no recorded results: {path} is missing; `make bench` on a CUDA GPU writes it)")
         return
-    print("recorded on " + results_label(res))
     print(serving_tables(res))
 
 

@@ -406,8 +406,21 @@ def test_serving_tables_show_rows_and_ratios(tmp_path, capsys):
     path.write_text(json.dumps(res))
     L.show_serving_results(path=path)
     out = capsys.readouterr().out
-    assert "NVIDIA H200 · torch 2.11 · triton 3.6 · 2026-12-01" in out and L.NOT_MEASURED not in out
+    assert out.count("NVIDIA H200 · torch 2.11 · triton 3.6 · 2026-12-01") == 3 and L.NOT_MEASURED not in out
     assert " 0.91 " in out and " 4.00" in out and " 0.95" in out and " 3500 " in out
+
+
+def test_serving_tables_read_what_the_bench_scripts_write():
+    """bench_varlen's rows name their mix and summarise long length lists; each section has its own _meta."""
+    res = {"gpu": "G", "varlen_meta": {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "date": "2026-12-02"},
+           "varlen": [{"dtype": "bfloat16", "d": 128, "causal": True, "H": 32, "Hkv": 8, "total_tokens": 65536,
+                       "mix": "long-tailed", "lengths": {"count": 64, "min": 3, "max": 8192, "mean": 1024.0},
+                       "triton_tflops": 1.0}],
+           "paged": [{"dtype": "bfloat16", "B": 8, "H": 32, "Hkv": 8, "d": 128, "block_size": 16, "mean_len": 100,
+                      "triton_gbs": 1.0, "triton_graph_gbs": 2345.0}]}
+    text = L.serving_tables(res)
+    assert "long-tailed 64 seqs 3-8192" in text and "NVIDIA H200 · torch 2.11 · triton 3.6 · 2026-12-02" in text
+    assert "2345" in text and text.count(L.NOT_MEASURED) == 1
 
 
 def test_serving_results_read_the_older_graph_key_and_a_missing_file(tmp_path, capsys):
