@@ -3,8 +3,8 @@
 Notebooks run in a real Jupyter kernel (nbclient) started with ``tests/hide_modules`` on PYTHONPATH:
 its ``sitecustomize`` makes ``import triton`` (or ``import helpers``) fail as where it is not installed.
 Lessons 01-06 and 09 must pass strict without Triton; lesson 07 must say so in one sentence, show the
-recorded H200 results and stop, with no traceback; lesson 08 likewise at its GPU section, after its CPU
-exercises passed.
+recorded H200 results and stop, with no traceback; lessons 08 and 10 likewise at their GPU sections, after
+their CPU exercises passed.
 """
 import os
 import shutil
@@ -22,6 +22,7 @@ from packaging.requirements import Requirement
 from conftest import ROOT
 from helpers.lesson07 import NO_TRITON
 from helpers.lesson08_gpu import NO_TRITON as NO_TRITON_08
+from helpers.lesson10 import NO_TRITON as NO_TRITON_10
 
 HIDE = ROOT / "tests" / "hide_modules"
 WORKED = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -120,6 +121,24 @@ def test_lesson_08_without_triton_runs_its_cpu_part_then_shows_the_h200_results_
     [err] = _outputs(code[stop], "error")
     assert not any(s in line for line in err["traceback"] for s in NOT_A_TRACEBACK)
     assert all(not c.get("outputs") for c in code[stop + 1:]), "Run All must stop at the GPU section"
+
+
+def test_lesson_10_without_triton_runs_its_exercises_then_shows_the_recorded_figures_and_stops(hide, monkeypatch):
+    hide("triton")
+    monkeypatch.setenv("COURSE_STRICT", "1")
+    nb, error = _run(ROOT / "solutions" / "10_serving.ipynb")
+    assert error is not None and error.ename == "TritonMissing", error
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    [stop] = [i for i, c in enumerate(code) if _outputs(c, "error")]
+    assert "require_triton()" in code[stop].source
+    before = "".join(o.get("text", "") for c in code[:stop] for o in _outputs(c, "stream"))
+    for name in ("varlen_block_map", "gather_kv"):                         # the CPU exercises ran
+        assert f"✅ {name}:" in before, name
+    text = "".join(o["text"] for o in _outputs(code[stop], "stream") if o["name"] == "stdout")
+    assert text.startswith(NO_TRITON_10 + "\n") and "NVIDIA H200" in text and "decode" in text
+    [err] = _outputs(code[stop], "error")
+    assert not any(s in line for line in err["traceback"] for s in NOT_A_TRACEBACK)
+    assert all(not c.get("outputs") for c in code[stop + 1:]), "Run All must stop at the serving step"
 
 
 @pytest.mark.parametrize("folder", ["solutions", "notebooks"])
