@@ -3,8 +3,11 @@ SHELL := /bin/bash
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-NBVAL   := -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600
+NBVAL   = -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600 -n $(WORKERS) --dist loadfile
 export PYTHONPATH := $(CURDIR)
+# Tests, notebooks and browser tests run on WORKERS processes (pytest-xdist; a notebook's cells stay on one):
+# most of the work is single-threaded Python (Triton's interpreter, notebook kernels) and CI has two cores.
+WORKERS ?= 2
 
 # Which torch `make setup` installs: TORCH (one pip requirement) and, optionally, TORCH_INDEX (an index
 # URL, e.g. PyTorch's CPU-only one). Given on the command line they are installed, replacing the torch
@@ -66,7 +69,7 @@ notebooks: setup  ## regenerate notebooks/ from solutions/ (never overwrites you
 	$(BIN)/python -m helpers.generate $(if $(call boolean,$(FORCE),FORCE),--force)
 
 test: setup  ## the unit tests (checkers, planted bugs, generator, meter, kernels under the Triton interpreter)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal tests
 
 run-solutions: setup  ## (maintainers) re-run every worked notebook in place, saving its outputs
 	COURSE_STRICT=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
@@ -88,7 +91,7 @@ check-notebooks: setup  ## run every learner notebook; exercises show "not attem
 	$(BIN)/python -m pytest $(NBVAL) notebooks
 
 e2e: setup  ## every notebook run in JupyterLab in headless Chromium, on a copy (screenshots: artifacts/e2e/)
-	$(BIN)/python -m pytest -q -p no:cacheprovider e2e
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist worksteal e2e
 
 check: test check-solutions check-notebooks e2e  ## everything CI runs: unit tests, nbval over solutions/ and notebooks/, e2e
 

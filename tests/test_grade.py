@@ -147,7 +147,8 @@ def test_a_deleted_check_cell_is_listed_not_dropped(learner01):
     assert got["blockwise_stats"].status == "todo"
 
 
-def test_a_folder_with_a_malformed_notebook_keeps_the_rest_of_the_table(tmp_path, capsys):
+def test_a_folder_with_a_malformed_notebook_keeps_the_rest_of_the_table(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")                           # rows are cut to the terminal's width
     nb = json.loads((ROOT / "notebooks" / NB01).read_text())
     del nb["cells"][1]["source"]                                   # a cell without `source`
     (tmp_path / NB01).write_text(json.dumps(nb))
