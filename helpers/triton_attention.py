@@ -258,12 +258,12 @@ def _check_tensor(name, x, ndim, dtypes):
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
 
 
-def _check_device(*tensors):
-    names = ("q", "k", "v")
+def _check_device(*tensors, names=("q", "k", "v")):
     dev = tensors[0].device
     for name, t in zip(names, tensors):
         if t.device != dev:
-            raise ValueError(f"q, k and v must be on one device; {name} is on {t.device}, q on {dev}")
+            raise ValueError(f"{', '.join(names[:-1])} and {names[-1]} must be on one device; "
+                             f"{name} is on {t.device}, {names[0]} on {dev}")
     if _interpreting():
         if dev.type != "cpu":
             raise ValueError("with TRITON_INTERPRET=1 the tensors must be on the CPU")
@@ -271,6 +271,21 @@ def _check_device(*tensors):
     if dev.type != "cuda":
         raise ValueError(f"tensors must be on a CUDA device (or set TRITON_INTERPRET=1 for the CPU), got {dev}")
     return _DTYPES_GPU
+
+
+def _check_qkv(q, k, v, ndims, names=("q", "k", "v")):
+    """The checks every entry point makes of its three tensors, in this order: each a tensor, one device
+    (the CPU under the interpreter, CUDA otherwise), ranks ``ndims`` (q's, k's and v's), an allowed dtype,
+    contiguous, one dtype for all three."""
+    tensors = (q, k, v)
+    for name, x in zip(names, tensors):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    dtypes = _check_device(*tensors, names=names)
+    for name, x, ndim in zip(names, tensors, ndims):
+        _check_tensor(name, x, ndim, dtypes)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{', '.join(names)} must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
 def _use_tma_default(q):
@@ -299,15 +314,7 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
     BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; leave them
     as None to autotune.
     """
-    dtypes = None
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    dtypes = _check_device(q, k, v)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x, 4, dtypes)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_qkv(q, k, v, (4, 4, 4))
     B, H, N, d = q.shape
     Bk, Hkv, Nk, dk = k.shape
     if (Bk, dk) != (B, d):
@@ -740,15 +747,7 @@ def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None)
     num_splits: how many pieces the cache is cut into; None picks it from
     B*Hkv, Nk and the SM count. One kernel launch per call, whatever num_splits.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    dtypes = _check_device(q, k, v)
-    _check_tensor("q", q, 3, dtypes)
-    _check_tensor("k", k, 4, dtypes)
-    _check_tensor("v", v, 4, dtypes)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_qkv(q, k, v, (3, 4, 4))
     B, H, d = q.shape
     Bk, Hkv, Nk, dk = k.shape
     if Bk != B or dk != d:

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import LOG2E, _check_device, _check_tensor, _interpreting, flash_attn_triton
+from .triton_attention import LOG2E, _check_qkv, _interpreting, flash_attn_triton
 
 __all__ = ["flash_attention", "flash_attn_bwd_triton", "FlashAttentionFunction", "DEFAULT_DQ_MODE"]
 
@@ -310,14 +310,7 @@ _bwd_dq_tuned = triton.autotune(configs=_configs(_DQ_SHAPES), key=["N", "Nk", "H
 
 
 def _check_inputs(q, k, v, causal, align):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    dtypes = _check_device(q, k, v)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x, 4, dtypes)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_qkv(q, k, v, (4, 4, 4))
     B, H, N, d = q.shape
     if k.shape[0] == B and k.shape[3] == d and k.shape[1] != H:
         raise ValueError(f"the backward has no grouped-query attention: q has H = {H} heads, k has {k.shape[1]}; "

@@ -22,7 +22,7 @@ the splits merged inside the same launch. Written for this course; figures in be
 
 import torch
 
-from helpers.triton_attention import _check_device, _check_tensor, _decode_launch
+from helpers.triton_attention import _check_qkv, _decode_launch
 
 __all__ = ["flash_attn_with_kvcache_triton"]
 
@@ -59,18 +59,7 @@ def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_tab
     [0, num_blocks). On a GPU a length past the capacity is clamped to it (never read out of
     bounds); a bad page index is the caller's error, as in the FlashAttention library.
     """
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.device != q.device:
-            raise ValueError(f"q, k_cache and v_cache must be on one device; {name} is on {x.device}, q on {q.device}")
-    dtypes = _check_device(q, k_cache, v_cache)
-    _check_tensor("q", q, 4, dtypes)
-    _check_tensor("k_cache", k_cache, 4, dtypes)
-    _check_tensor("v_cache", v_cache, 4, dtypes)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _check_qkv(q, k_cache, v_cache, (4, 4, 4), names=("q", "k_cache", "v_cache"))
     if tuple(v_cache.shape) != tuple(k_cache.shape):
         raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     B, Nq, H, d = q.shape

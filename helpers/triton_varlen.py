@@ -30,8 +30,7 @@ from .triton_attention import (
     LOG2E,
     TensorDescriptor,
     _attn_fwd_rows,
-    _check_device,
-    _check_tensor,
+    _check_qkv,
     _interpreting,
     _set_kv_block_shape,
     _use_tma_default,
@@ -236,14 +235,7 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     layers share cu_seqlens); None builds it here (about 25 small torch ops). ``use_tma`` and
     ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; None autotunes.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    dtypes = _check_device(q, k, v)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x, 3, dtypes)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_qkv(q, k, v, (3, 3, 3))
     total_q, H, d = q.shape
     total_k, Hkv, dk = k.shape
     if dk != d:

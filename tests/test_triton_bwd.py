@@ -14,15 +14,10 @@ import warnings
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+from kernel_env import DEVICE, DTYPES, ON_GPU  # noqa: E402  (sets TRITON_INTERPRET first)
 from helpers.triton_attention import flash_attn_triton  # noqa: E402
 from helpers.triton_attention_bwd import flash_attention, flash_attn_bwd_triton  # noqa: E402
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-DEVICE = "cuda" if ON_GPU else "cpu"
-DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
 
 
 def _inputs(B, H, N, Nk, d, dtype, seed, scale=2.0):

@@ -8,24 +8,17 @@ multiple of any block, a causal mask with N != Nk, empty decode splits.
 """
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+from kernel_env import DEVICE, DTYPES, ON_GPU  # noqa: E402  (sets TRITON_INTERPRET first)
 from helpers.triton_attention import (  # noqa: E402
     TensorDescriptor,
     flash_attn_triton,
     flash_decode_triton,
-    interpreting,
 )
 
-ON_GPU = torch.cuda.is_available() and not interpreting()
-DEVICE = "cuda" if ON_GPU else "cpu"
-DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
 
 
 def _inputs(shape_q, shape_kv, dtype, seed, scale=3.0):

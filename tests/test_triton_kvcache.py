@@ -6,23 +6,16 @@ bottom-right causal mask written out; lengths include 0, 1 and a full cache; the
 pages are shuffled; the page size is smaller than, equal to and larger than the key tile.
 """
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+from kernel_env import DEVICE, DTYPES, ON_GPU, TOL  # noqa: E402  (sets TRITON_INTERPRET first)
 import helpers.triton_attention as ta  # noqa: E402
-from helpers.triton_attention import flash_decode_triton, interpreting  # noqa: E402
+from helpers.triton_attention import flash_decode_triton  # noqa: E402
 from helpers.triton_kvcache import flash_attn_with_kvcache_triton  # noqa: E402
 
-ON_GPU = torch.cuda.is_available() and not interpreting()
-DEVICE = "cuda" if ON_GPU else "cpu"
-DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
-TOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 def make_cache(B, Nq, H, Hkv, d, Nmax, dtype, seed, scale=3.0):

@@ -8,22 +8,15 @@ CPU with 16 x 16 tiles; on a CUDA machine the same checks run on the GPU in fp16
 """
 
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from helpers.triton_attention import TensorDescriptor, interpreting  # noqa: E402
+from kernel_env import DEVICE, DTYPES, ON_GPU, TOL  # noqa: E402  (sets TRITON_INTERPRET first)
+from helpers.triton_attention import TensorDescriptor  # noqa: E402
 from helpers.triton_varlen import flash_attn_varlen_triton, varlen_block_m, varlen_block_map  # noqa: E402
 
-ON_GPU = torch.cuda.is_available() and not interpreting()
-DEVICE = "cuda" if ON_GPU else "cpu"
-DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
-TOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 def _cu(lengths):
