@@ -144,7 +144,7 @@ def prefill_cases(quick):
     return cases
 
 
-def run_prefill(quick):
+def run_prefill(quick, save=None):
     rows = []
     for dtype, d, causal, N, B, H in prefill_cases(quick):
         torch.manual_seed(N + d)
@@ -167,6 +167,8 @@ def run_prefill(quick):
             row[f"sdpa_{name}_tflops"] = None if ms is None else round(flops / ms / 1e9, 1)
         log("  prefill", json.dumps(row))
         rows.append(row)
+        if save:
+            save(rows)
         del q, k, v
     return rows
 
@@ -237,7 +239,7 @@ def launch_cost_us():
     return out
 
 
-def run_decode(quick, splits_override=None, config=None):
+def run_decode(quick, splits_override=None, config=None, save=None):
     rows = []
     for dtype, B, H, Hkv, Nk, d in decode_cases(quick):
         torch.manual_seed(Nk + H)
@@ -272,6 +274,8 @@ def run_decode(quick, splits_override=None, config=None):
                 row[f"sdpa_{name}_gbs_graph"] = graph_gbs(fn, nbytes)
         log("  decode", json.dumps(row))
         rows.append(row)
+        if save:  # after every row: a run cut short keeps what it measured
+            save(rows)
         del q, k, v
     return rows
 
@@ -471,15 +475,22 @@ def main():
                    "date": datetime.date.today().isoformat(), "timing": "triton.testing.do_bench median, L2 flushed",
                    "ceilings": ceilings()})
     log("ceilings", result["ceilings"])
+    def save(key):
+        def write(rows):
+            result[key] = rows
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
+        return write
+
     if not args.skip_prefill:
-        result["prefill"] = run_prefill(args.quick or args.quick_prefill)
+        result["prefill"] = run_prefill(args.quick or args.quick_prefill, save("prefill"))
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         log(f"prefill done at {time.time() - t0:.0f}s")
     if not args.skip_decode:
         result["launch_cost_us"] = launch_cost_us()
         log("launch cost (us per call, 16 MiB cache)", result["launch_cost_us"])
-        result["decode"] = run_decode(args.quick)
+        result["decode"] = run_decode(args.quick, save=save("decode"))
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     try:
