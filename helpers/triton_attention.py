@@ -84,6 +84,9 @@ def _attn_fwd_inner(
         if USE_TMA:
             k = desc_k.load([kv_row0 + start_n, kv_col0])  # [BLOCK_N, D]
             v = desc_v.load([kv_row0 + start_n, kv_col0])  # [BLOCK_N, D]
+            if MASKED:  # rows past Nk belong to the next head or sequence: their scores are masked, and
+                # zeroing their values keeps a NaN or inf there out of this one (p = 0 times NaN is NaN)
+                v = tl.where((start_n + offs_n)[:, None] < Nk, v, 0.0)
         elif MASKED:
             in_range = (start_n + offs_n)[:, None] < Nk  # [BLOCK_N, 1]
             k = tl.load(k_ptrs + start_n * stride_kn, mask=in_range, other=0.0)  # [BLOCK_N, D]

@@ -135,7 +135,8 @@ def _attn_fwd_varlen(
     q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
 
     # TMA: this sequence's keys of KV head off_hkv start at row k_beg, column off_hkv * D. A masked tile
-    # may run into the next sequence's rows: finite values, masked to -inf before the softmax.
+    # may run into the next sequence's rows: their scores are masked to -inf and their values zeroed, so
+    # nothing of another request (not even a NaN) reaches this one.
     acc, lse = _attn_fwd_rows(
         q, k_ptrs, v_ptrs, stride_kt, stride_vt, desc_k, desc_v, k_beg, off_hkv * HEAD_DIM,
         start_m, offs_m, offs_n, qk_scale, Nk, diag,

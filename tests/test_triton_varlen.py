@@ -110,6 +110,23 @@ def test_varlen_other_load_path(causal):
     _check_all(lens_q, lens_k, H, Hkv, d, causal, torch.float16, seed=5, use_tma=not ON_GPU)
 
 
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+def test_a_nan_in_one_request_does_not_reach_another(use_tma):
+    """Serving isolation: the masked last tile of request 0 runs into request 1's rows (TMA reads them; the
+    pointer path masks them). With NaN in request 1's values, request 0's output stays exactly what it was."""
+    if use_tma and (TensorDescriptor is None or ON_GPU):
+        pytest.skip("TMA under the interpreter only (on a GPU the default path is checked elsewhere)")
+    lens = [20, 30]  # request 0's 20 keys end inside a 16-key tile
+    q, k, v = _packed(lens, lens, 2, 1, 16, DTYPES[0], seed=3)
+    kw = dict(causal=False, use_tma=use_tma)
+    o, lse = flash_attn_varlen_triton(q, k, v, _cu(lens), _cu(lens), 30, 30, **kw)
+    v_bad = v.clone()
+    v_bad[20:] = float("nan")  # request 1's values
+    o_bad, lse_bad = flash_attn_varlen_triton(q, k, v_bad, _cu(lens), _cu(lens), 30, 30, **kw)
+    assert torch.equal(o_bad[:20], o[:20]) and torch.equal(lse_bad[:, :20], lse[:, :20])
+    assert torch.isnan(o_bad[20:]).all()  # request 1 does see its own NaN
+
+
 def test_varlen_other_tiles_and_int64_cu_seqlens():
     """BLOCK_M != BLOCK_N (the map is built for BLOCK_M), int64 cu_seqlens, validate off, a custom scale."""
     lens_q, lens_k = [40, 1, 0, 23], [50, 7, 2, 23]
