@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from .. import reference
 from ..checking import exercise
-from ._common import (ATOL, IDEA_BC, IDEA_BR, IDEA_D, IDEA_N, IDEA_NK, RTOL, attention_cases,  # noqa: F401
-                      check_tiles_only, gen, idea_case, measure_case, o_bugs, qkv, tiled_model)
-
-_gen, _qkv = gen, qkv
+from ._common import (ATOL, IDEA_D, IDEA_NK, RTOL, attention_cases, check_tiles_only,  # noqa: F401
+                      idea_case, measure_case, o_bugs, tiled_model)  # tiled_model: tests import it from here
 
 
 # ------------------------------------------------------------------ flash_attn_v1

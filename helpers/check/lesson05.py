@@ -13,7 +13,6 @@ from ..checking import Bug, Case, exercise
 from ..lesson05 import make_mask
 from ._common import NEG_INF, check_o_lse, check_visible_work, gen, qkv, tiles
 from ._common import masked_tiled_model as tiled_model
-# The metered visible-work check shared with 04 (owned by the idea-check work, to move into _common next):
 
 _gen = gen
 
