@@ -2,7 +2,6 @@
 code written another way passes; the plain functions behind the notebook (padding's waste, the
 allocator, the paged cache, the recorded figures) are right and say clearly what is wrong with bad input."""
 import json
-import math
 
 import pytest
 import torch
@@ -14,21 +13,10 @@ from helpers.check import lesson10 as C
 
 
 # ------------------------------------------------------------------ exercise 1: varlen_block_map
-def _map_loop(cu_seqlens, BLOCK_M, n_blocks=lambda n, bm: -(-n // bm), start=lambda cu, b, m, bm: cu[b] + m * bm,
-              order="largest first", P=None, spare=-1, dtype=torch.int32):
-    """A learner's loop: the (b, m) pairs, sorted, padded to P; knobs plant one mistake each."""
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    B = len(cu) - 1
-    pairs = [(b, m) for b in range(B) for m in range(n_blocks(cu[b + 1] - cu[b], BLOCK_M))]
-    if order == "largest first":
-        pairs.sort(key=lambda p: -p[1])
-    elif order == "smallest first":
-        pairs.sort(key=lambda p: p[1])
-    n = (P or (lambda t, B, bm: (t + B * (bm - 1)) // bm))(cu[-1], B, BLOCK_M)
-    pairs = pairs[:n]
-    seq = [b for b, _ in pairs] + [spare] * (n - len(pairs))
-    starts = [start(cu, b, m, BLOCK_M) for b, m in pairs] + [spare] * (n - len(pairs))
-    return torch.tensor(seq, dtype=dtype), torch.tensor(starts, dtype=dtype)
+def _map_loop(cu_seqlens, BLOCK_M, **knobs):
+    """A learner's loop with one planted mistake: the checker's own (sequence, block) loop with one knob
+    turned (its correctness is test_the_reference_and_the_checkers_loop_agree's)."""
+    return C._map_model(cu_seqlens, BLOCK_M, **knobs)
 
 
 def map_floor(cu, BLOCK_M):
@@ -44,11 +32,11 @@ def map_plus_one(cu, BLOCK_M):
 
 
 def map_local_rows(cu, BLOCK_M):
-    return _map_loop(cu, BLOCK_M, start=lambda cu, b, m, bm: m * bm)
+    return _map_loop(cu, BLOCK_M, start=lambda b, m, cu, bm: m * bm)
 
 
 def map_block_numbers(cu, BLOCK_M):
-    return _map_loop(cu, BLOCK_M, start=lambda cu, b, m, bm: cu[b] + m)
+    return _map_loop(cu, BLOCK_M, start=lambda b, m, cu, bm: cu[b] + m)
 
 
 def map_sequence_order(cu, BLOCK_M):
@@ -73,14 +61,7 @@ def map_small_P(cu, BLOCK_M):
 
 
 def map_cumulative_as_lengths(cu, BLOCK_M):        # lengths read as cu_seqlens[b + 1]
-    c = [int(x) for x in cu.tolist()]
-    B = len(c) - 1
-    pairs = sorted(((b, m) for b in range(B) for m in range(-(-c[b + 1] // BLOCK_M))), key=lambda p: -p[1])
-    P = (c[-1] + B * (BLOCK_M - 1)) // BLOCK_M
-    pairs = pairs[:P]
-    pad = [-1] * (P - len(pairs))
-    return (torch.tensor([b for b, _ in pairs] + pad, dtype=torch.int32),
-            torch.tensor([c[b] + m * BLOCK_M for b, m in pairs] + pad, dtype=torch.int32))
+    return _map_loop(cu, BLOCK_M, lengths=lambda c: c[1:])
 
 
 def map_int64(cu, BLOCK_M):
