@@ -276,6 +276,14 @@ def _check_device(*tensors, names=("q", "k", "v")):
     return _DTYPES_GPU
 
 
+HEAD_DIMS = (16, 32, 64, 128, 256)  # what every kernel here compiles for (tl.arange needs a power of two)
+
+
+def _check_head_dim(d):
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dimension d must be one of {', '.join(map(str, HEAD_DIMS))}; got {d}")
+
+
 def _check_qkv(q, k, v, ndims, names=("q", "k", "v")):
     """The checks every entry point makes of its three tensors, in this order: each a tensor, one device
     (the CPU under the interpreter, CUDA otherwise), ranks ``ndims`` (q's, k's and v's), an allowed dtype,
@@ -326,8 +334,7 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads (k is {tuple(k.shape)})")
-    if d not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head dimension d must be one of 16, 32, 64, 128, 256; got {d}")
+    _check_head_dim(d)
     if N == 0 or Nk == 0 or B == 0 or H == 0:
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if align not in ("top_left", "bottom_right"):
@@ -759,12 +766,9 @@ def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None)
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads")
-    if d not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head dimension d must be one of 16, 32, 64, 128, 256; got {d}")
+    _check_head_dim(d)
     if B == 0 or Nk == 0:
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if num_splits is not None:
-        _check_num_splits(num_splits)
     o = torch.empty_like(q)  # [B, H, d]
     return _decode_launch(q, k, v, o, None, None, B=B, Hkv=Hkv, group=H // Hkv, nq=1, d=d, Nk=Nk,
                           stride_kb=Hkv * Nk * d, max_blocks=0, head_major=True, page=0, causal=False,

@@ -22,11 +22,9 @@ the splits merged inside the same launch. Written for this course; figures in be
 
 import torch
 
-from helpers.triton_attention import _check_qkv, _decode_launch
+from helpers.triton_attention import _check_head_dim, _check_qkv, _decode_launch
 
 __all__ = ["flash_attn_with_kvcache_triton"]
-
-HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def _check_index_tensor(name, x, ndim, device):
@@ -66,8 +64,7 @@ def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_tab
     n0, n1, Hkv, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"k_cache's head dimension is {dk}, q's is {d}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head dimension d must be one of {', '.join(map(str, HEAD_DIMS))}; got {d}")
+    _check_head_dim(d)
     if B == 0 or Nq == 0 or H == 0:
         raise ValueError(f"empty input: q {tuple(q.shape)}")
     if Hkv == 0 or H % Hkv != 0:

@@ -30,6 +30,7 @@ from .triton_attention import (
     LOG2E,
     TensorDescriptor,
     _attn_fwd_rows,
+    _check_head_dim,
     _check_qkv,
     _interpreting,
     _set_kv_block_shape,
@@ -37,8 +38,6 @@ from .triton_attention import (
 )
 
 __all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m"]
-
-_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 # ----------------------------------------------------------------------------
@@ -245,8 +244,7 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if H == 0 or Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads")
-    if d not in _HEAD_DIMS:
-        raise ValueError(f"head dimension d must be one of {', '.join(map(str, _HEAD_DIMS))}; got {d}")
+    _check_head_dim(d)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
