@@ -10,11 +10,12 @@ References: ``helpers.reference`` (float64 SDPA and ``torch.logsumexp``); the be
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
+
+from .results import RESULTS, fmt, load_results, results_label
 
 from . import reference
 
@@ -27,7 +28,6 @@ __all__ = ["LOG2E", "LN2", "reference_bhnd", "reference_decode", "split_bounds",
 LOG2E = 1.4426950408889634   # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = 0.6931471805599453     # ln(2): a base-2 lse times LN2 is the natural-log lse
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "h200.json"
 
 OFF_BAND, ON_BAND, SKIPPED = 1, 2, 0
 
@@ -113,20 +113,6 @@ def plot_tile_classes(N=256, Nk=256, BLOCK_M=64, BLOCK_N=32, causal=True, ax=Non
 
 
 # ------------------------------------------------------------------ benchmark results
-def load_results(path=RESULTS):
-    """The committed benchmark (a dict), or None when the file is not there yet."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def results_label(res) -> str:
-    return (f"{res.get('gpu', '?')} · torch {res.get('torch', '?')} · triton {res.get('triton', '?')} · "
-            f"{res.get('date', '?')}")
-
-
 def prefill_rows(res, dtype=None, d=None, causal=None):
     rows = [r for r in res.get("prefill", [])
             if (dtype is None or r["dtype"] == dtype) and (d is None or r["d"] == d)
@@ -138,8 +124,7 @@ def decode_rows(res):
     return sorted(res.get("decode", []), key=lambda r: (r["dtype"], r["d"], r["H"], r["Hkv"], r["B"], r["Nk"]))
 
 
-def _f(x, nd=0):
-    return "—" if x is None else f"{x:.{nd}f}"
+_f = fmt
 
 
 def prefill_table(res) -> str:
@@ -159,7 +144,7 @@ def decode_table(res) -> str:
     """A plain-text table of the decode rows: effective GB/s (K and V read once)."""
     head = f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'Nk':>7} {'d':>4} {'splits':>6} {'triton':>7} " \
            f"{'flash':>7} {'cudnn':>7} {'tri/cudnn':>9}"
-    lines = ["decode, GB/s (bytes = K and V read once)", head]
+    lines = ["decode, GB/s (bytes = K and V read once); " + results_label(res, "decode"), head]
     for r in decode_rows(res):
         t, cu = r.get("triton_gbs"), r.get("sdpa_cudnn_gbs")
         lines.append(f"{r['dtype']:>8} {r['B']:>3} {r['H']:>3} {r['Hkv']:>3} {r['Nk']:>7} {r['d']:>4} "
@@ -235,7 +220,7 @@ def plot_decode(res, ceilings=None):
         if a.lines:
             a.legend(fontsize=6)
     ax[0].set_ylabel("GB/s (K and V read once)")
-    fig.suptitle("decode: " + results_label(res), fontsize=10)
+    fig.suptitle("decode: " + results_label(res, "decode"), fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 
+from .results import RESULTS, fmt, load_results, results_label
+
 __all__ = ["NO_TRITON", "require_triton", "LOG2E", "reference_grads", "load_results", "load_training", "results_label", "backward_rows",
            "backward_table", "geomean_ratio", "plot_backward", "plot_training", "training_summary",
            "RESULTS", "TRAINING"]
 
 LOG2E = 1.4426950408889634
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "h200.json"
 TRAINING = ROOT / "bench" / "results" / "train_gpt.json"
 
 
@@ -44,21 +45,9 @@ def reference_grads(q, k, v, do, causal=False, sm_scale=None):
 
 
 # ------------------------------------------------------------------ recorded results
-def load_results(path=RESULTS):
-    """The committed benchmark (a dict) or None when the file is not there."""
-    path = Path(path)
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def load_training(path=TRAINING):
     path = Path(path)
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def results_label(res) -> str:
-    meta = res.get("backward_meta", res)
-    return (f"{meta.get('gpu', meta.get('device_name', '?'))} · torch {meta.get('torch', '?')} · "
-            f"triton {meta.get('triton', '?')} · {meta.get('date', '?')}")
 
 
 def backward_rows(res, dtype=None, d=None, causal=None):
@@ -68,13 +57,12 @@ def backward_rows(res, dtype=None, d=None, causal=None):
     return sorted(rows, key=lambda r: (r["dtype"], r["d"], bool(r["causal"]), r["N"]))
 
 
-def _f(x, nd=0):
-    return "—" if x is None else f"{x:.{nd}f}"
+_f = fmt
 
 
 def backward_table(res) -> str:
     """A plain-text table of the backward rows: TFLOP/s (FLOPs = 2.5 x 4BHN²d, halved when causal)."""
-    lines = ["backward alone, TFLOP/s (FLOPs = 2.5·4·B·H·N²·d, halved when causal); " + results_label(res),
+    lines = ["backward alone, TFLOP/s (FLOPs = 2.5·4·B·H·N²·d, halved when causal); " + results_label(res, "backward"),
              f"{'dtype':>8} {'d':>4} {'causal':>6} {'N':>6} {'triton':>7} {'flash':>6} {'cudnn':>6} {'flex':>6} "
              f"{'t/flash':>7} {'t/cudnn':>7} {'err/sdpa':>8} {'ok':>3}"]
     for r in backward_rows(res):
@@ -117,7 +105,7 @@ def plot_backward(res):
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle("backward: " + results_label(res), fontsize=10)
+    fig.suptitle("backward: " + results_label(res, "backward"), fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -168,7 +156,7 @@ def require_triton():
         res, rec = load_results(), load_training()
         if res is not None and res.get("backward"):
             print()
-            print(results_label(res))
+            print(results_label(res, "backward"))
             print(backward_table(res))
         if rec is not None:
             print()

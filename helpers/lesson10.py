@@ -20,12 +20,13 @@ Nothing here imports Triton (``helpers.check.lesson10`` imports this module in e
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 from pathlib import Path
 
 import torch
+
+from .results import RESULTS, fmt, load_results, results_label
 
 __all__ = ["cu_seqlens_from_lengths", "check_cu_seqlens", "lengths_from_cu_seqlens", "padding_waste",
            "waste_table", "plot_waste", "long_tailed_lengths", "uniform_lengths", "few_long_many_short",
@@ -35,7 +36,6 @@ __all__ = ["cu_seqlens_from_lengths", "check_cu_seqlens", "lengths_from_cu_seqle
            "require_triton"]
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "h200.json"
 
 
 # ------------------------------------------------------------------ the packed layout
@@ -403,27 +403,13 @@ def kv_cache_bytes(tokens: int, layers: int, Hkv: int, d: int, bytes_per_elem: i
 NOT_MEASURED = "not measured yet"
 
 
-def load_results(path=RESULTS):
-    """The committed benchmark (a dict), or None when the file is not there."""
-    path = Path(path)
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def results_label(res, section: str | None = None) -> str:
-    """GPU, versions and date of a results file (or of its ``<section>_meta`` when it has one)."""
-    meta = (res or {}).get(f"{section}_meta", res or {}) if section else (res or {})
-    return (f"{meta.get('gpu', meta.get('device_name', '?'))} · torch {meta.get('torch', '?')} · "
-            f"triton {meta.get('triton', '?')} · {meta.get('date', '?')}")
-
-
 def serving_results(res) -> dict:
     """``{"varlen": [...], "paged": [...], "decode": [...]}``: the rows of each section, [] when absent."""
     res = res or {}
     return {key: list(res.get(key) or []) for key in ("varlen", "paged", "decode")}
 
 
-def _f(x, nd=0):
-    return "—" if x is None else f"{x:.{nd}f}"
+_f = fmt
 
 
 def _ratio(a, b):
@@ -479,7 +465,7 @@ def serving_tables(res) -> str:
     out.append("")
     out.append("decode (contiguous cache), GB/s: do_bench and CUDA-graph timings")
     if rows["decode"]:
-        out.append("  " + results_label(res))
+        out.append("  " + results_label(res, "decode"))
         out.append(f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'Nk':>7} {'d':>4} {'triton':>7} {'graph':>7} "
                    f"{'cudnn':>7} {'tri/cudnn':>9}")
         for r in sorted(rows["decode"], key=lambda r: (r.get("dtype", ""), r.get("d", 0), r.get("H", 0),
