@@ -43,6 +43,20 @@ LAB_SETTINGS = {
 }
 
 
+# What a test run adds to the environment that `make lab` would not: the course's own switches
+# (COURSE_STRICT, COURSE_E2E_REQUIRED, ...), TRITON_INTERPRET (the course decides it itself, in
+# helpers/triton_mode.py) and pytest's own variables. The lab gets none of them.
+NOT_FROM_MAKE_LAB = ("COURSE_", "TRITON_INTERPRET", "PYTEST_")
+
+
+def lab_env(environ) -> dict:
+    """The environment `make lab` gives JupyterLab: the caller's, less what only a test run sets, plus the
+    Makefile's one export (PYTHONPATH = the course folder)."""
+    env = {k: v for k, v in environ.items() if not k.startswith(NOT_FROM_MAKE_LAB)}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
 def _unavailable(reason: str):
     if os.environ.get("COURSE_E2E_REQUIRED") == "1":
         pytest.fail(f"end-to-end tests required (COURSE_E2E_REQUIRED=1) but {reason}", pytrace=False)
@@ -105,11 +119,10 @@ def lab(tmp_path_factory, originals):
         path = tmp / "settings" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(value))
-    env = dict(os.environ,
+    env = dict(lab_env(os.environ),
                JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_DATA_DIR=str(tmp / "data"),
                JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"), PYTHONPATH=str(ROOT))
-    env.pop("COURSE_STRICT", None)            # in the lab, learner notebooks show ⏳
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"))
     port, token = _free_port(), uuid.uuid4().hex
     cmd = [str(jupyter), "lab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
            "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",

@@ -9,10 +9,17 @@ Every notebook starts with ``from helpers import check, meter``:
 - ``helpers.widgets``: ipywidgets explorers; each lesson's figures are in ``helpers.lessonNN``.
 - ``helpers.checking``: the grading framework behind ``helpers.check``.
 
-This file imports nothing heavy, so ``helpers.triton_attention`` can be used on a GPU
-machine that has only torch and triton.
+Importing any ``helpers`` module first decides, once, whether Triton runs natively (a CUDA GPU) or
+under its interpreter (no GPU): ``helpers.triton_mode``. It must happen before anything imports triton,
+and every notebook's first cell imports ``helpers``. Apart from torch (for ``torch.cuda.is_available()``)
+this file imports nothing heavy, so ``helpers.triton_attention`` can be used on a GPU machine that has
+only torch and triton.
 """
 import importlib
+
+from . import triton_mode
+
+triton_mode.choose()
 
 __all__ = ["check", "meter", "reference", "widgets", "checking"]
 

@@ -17,7 +17,8 @@ import torch
 
 from .results import RESULTS, fmt, load_results, results_label
 
-from . import reference
+from . import reference, triton_mode
+from .triton_mode import TritonMissing  # noqa: F401 - the stop every Triton lesson raises
 
 __all__ = ["LOG2E", "LN2", "reference_bhnd", "reference_decode", "split_bounds", "tile_classes",
            "plot_tile_classes", "sdpa_error", "load_results", "results_label", "prefill_rows",
@@ -304,22 +305,10 @@ NO_TRITON = ("Triton is not installed in this Python (PyPI has it for Linux only
              "and README.md (section 3) says how to run the kernels on Linux or in WSL2.")
 
 
-class TritonMissing(Exception):
-    """Stops notebook 07 where Triton is missing. IPython shows its one line, not a traceback;
-    ``make grade`` marks the exercises after it ➖ with this message (``helpers.grade.STOPS``)."""
-
-    def _render_traceback_(self):
-        return [f"Run All stops here: {self}."]
-
-
 def require_triton():
-    """Return if ``import triton`` works; otherwise say so, show the recorded H200 results, and stop."""
-    try:
-        import triton  # noqa: F401 - only whether it imports
-    except ImportError:
-        print(NO_TRITON)
-        show_recorded_results()
-        raise TritonMissing("the rest of this notebook needs Triton, which this Python does not have") from None
+    """Return if Triton can run here; otherwise say so, show the recorded H200 results, and stop
+    (``helpers.triton_mode.require_triton``: one line, no traceback)."""
+    triton_mode.require_triton(NO_TRITON, show_recorded_results)
 
 
 def show_recorded_results(res=None):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import triton_mode
 from .results import RESULTS, fmt, load_results, results_label
 
 __all__ = ["NO_TRITON", "require_triton", "LOG2E", "reference_grads", "load_results", "load_training", "results_label", "backward_rows",
@@ -146,19 +147,17 @@ NO_TRITON = ("Triton is not installed in this Python (PyPI has it for Linux only
 
 
 def require_triton():
-    """Return if ``import triton`` works; otherwise say so, show the recorded H200 backward results
-    and training run, and stop Run All (``lesson07.TritonMissing``: one line, no traceback)."""
-    try:
-        import triton  # noqa: F401 - only whether it imports
-    except ImportError:
-        from .lesson07 import TritonMissing
-        print(NO_TRITON)
-        res, rec = load_results(), load_training()
-        if res is not None and res.get("backward"):
-            print()
-            print(results_label(res, "backward"))
-            print(backward_table(res))
-        if rec is not None:
-            print()
-            print(training_summary(rec))
-        raise TritonMissing("the rest of this section needs Triton, which this Python does not have") from None
+    """Return if Triton can run here; otherwise say so, show the recorded H200 backward results
+    and training run, and stop Run All (``helpers.triton_mode.require_triton``: one line, no traceback)."""
+    triton_mode.require_triton(NO_TRITON, _show_recorded, what="the rest of this section")
+
+
+def _show_recorded():
+    res, rec = load_results(), load_training()
+    if res is not None and res.get("backward"):
+        print()
+        print(results_label(res, "backward"))
+        print(backward_table(res))
+    if rec is not None:
+        print()
+        print(training_summary(rec))

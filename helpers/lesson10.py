@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from . import triton_mode
 from .results import RESULTS, fmt, load_results, results_label
 
 __all__ = ["cu_seqlens_from_lengths", "check_cu_seqlens", "lengths_from_cu_seqlens", "padding_waste",
@@ -495,13 +496,9 @@ NO_TRITON = ("Triton is not installed in this Python (PyPI has it for Linux only
 
 
 def require_triton() -> None:
-    """Return if ``import triton`` works; otherwise say so, show the recorded figures, and stop Run All
-    (``lesson07.TritonMissing``: one line, no traceback; ``make grade`` knows it)."""
-    try:
-        import triton  # noqa: F401 - only whether it imports
-    except ImportError:
-        from .lesson07 import TritonMissing
-        print(NO_TRITON)
+    """Return if Triton can run here; otherwise say so, show the recorded figures, and stop Run All
+    (``helpers.triton_mode.require_triton``: one line, no traceback; ``make grade`` knows it)."""
+    def show():
         print()
         show_serving_results()
-        raise TritonMissing("the rest of this notebook needs Triton, which this Python does not have") from None
+    triton_mode.require_triton(NO_TRITON, show)

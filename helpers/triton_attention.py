@@ -25,17 +25,18 @@ References: Dao, "FlashAttention-2" (2023), Algorithm 1; Dao et al.,
 matmul tutorials of Triton. Written for this course; numbers in
 bench/NOTES.md.
 
-Runs on a CUDA GPU (fp16, bf16) or, with ``TRITON_INTERPRET=1`` set before
-Triton is imported, on the CPU through Triton's interpreter (fp32, fp16; one
+Runs on a CUDA GPU (fp16, bf16) or, without one (``helpers.triton_mode`` sets ``TRITON_INTERPRET=1`` before
+Triton is imported), on the CPU through Triton's interpreter (fp32, fp16; one
 small fixed tile configuration so tests stay fast).
 """
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .triton_mode import interpreting
 
 try:  # host-side TMA descriptors (Hopper and newer); absent in old Triton
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -48,16 +49,7 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): converts a base-2 lse back to natural log
 
 
-# The values of TRITON_INTERPRET that Triton itself takes as "on" (its getenv_bool: 1, true, on, yes, y,
-# in any case); anything else, or unset, is off. tests/test_learner_machines.py compares with Triton's own.
-TRUTHY = ("1", "true", "on", "yes", "y")
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels under its interpreter (TRITON_INTERPRET on, as Triton reads it)."""
-    return os.environ.get("TRITON_INTERPRET", "").lower() in TRUTHY
-
-
+# Whether kernels run under Triton's interpreter (TRITON_INTERPRET, decided once by helpers/__init__).
 _interpreting = interpreting
 
 

@@ -45,9 +45,11 @@ def test_exercises_are_found_from_check_cells():
 GRADED = ("01_online_softmax", "08_backward_pass", "09_ring_attention")
 
 
-def test_untouched_learner_notebooks_are_all_todo_and_unchanged(tmp_path, capsys):
+def test_untouched_learner_notebooks_are_all_todo_and_unchanged(tmp_path, capsys, monkeypatch):
     """Grade reads untouched learner notebooks of each kind (GRADED, below) as all ⏳ and writes nothing.
-    Every learner notebook running with its exercises ⏳ is nbval's job (make check-notebooks)."""
+    Every learner notebook running with its exercises ⏳ is nbval's job (make check-notebooks).
+    As `make grade` runs: no TRITON_INTERPRET in the environment (the course chooses the mode itself)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     work = tmp_path / "notebooks"
     work.mkdir()
     for name in GRADED:
@@ -66,6 +68,7 @@ def test_untouched_learner_notebooks_are_all_todo_and_unchanged(tmp_path, capsys
 
 def test_a_copy_of_worked_notebooks_is_all_pass(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COURSE_STRICT", "1")               # grade ignores it: a report, not strict
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as `make grade` runs: the course chooses it
     work = tmp_path / "solutions"
     work.mkdir()
     for name in GRADED:
