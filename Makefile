@@ -33,7 +33,7 @@ truthy   = $(if $(filter 1 y yes true on,$(call lower,$(1))),1)
 boolean  = $(if $(filter-out 0 1 n y no yes false true off on,$(call lower,$(1))),$(error $(2)=$(1): use $(2)=1 or $(2)=0),$(call truthy,$(1)))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab grade check test notebooks check-notebooks check-solutions run-solutions e2e bench clean
+.PHONY: help setup lab grade check check-gpu test notebooks check-notebooks check-solutions run-solutions e2e bench clean
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -94,6 +94,9 @@ e2e: setup  ## every notebook run in JupyterLab in headless Chromium, on a copy 
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist worksteal e2e
 
 check: test check-solutions check-notebooks e2e  ## everything CI runs: unit tests, nbval over solutions/ and notebooks/, e2e
+
+check-gpu:  ## (CUDA GPU) kernel and checker tests natively, every notebook in a real Jupyter kernel; writes bench/results/check_gpu.json
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/check_gpu.py
 
 bench:  ## time the Triton kernels (forward, varlen, decode, paged decode, backward) against SDPA and train a small GPT (CUDA GPU; writes bench/results/)
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench.py
