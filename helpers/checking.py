@@ -456,7 +456,7 @@ class Grader:
             found = nan_hint or ("NaN appeared where the answer is a number: look for exp(-inf - (-inf)), "
                                  "0 * inf or 0 / 0 (a row or block with nothing in it)")
         else:
-            found = self._match_bug(got_t, bugs)
+            found = self._match_bug(got_t, bugs, rtol=rtol, atol=atol)
         if not found:
             if bad_inf.any() and math.isinf(wv):
                 found = "the answer here is -inf (nothing to attend to): keep it -inf, don't replace it with a number"
@@ -464,7 +464,10 @@ class Grader:
                 found = hint
         self.fail(what_line, hint=found)
 
-    def _match_bug(self, got, bugs):
+    def _match_bug(self, got, bugs, rtol=0.0, atol=0.0):
+        """The hint of the first bug model that ``got`` matches: as close to the model as a right answer must
+        be to the reference (the comparison's own tolerance, so an fp16 answer on a GPU can match a float64
+        model), and never looser than 1e-4 relative, 1e-5 absolute."""
         for bug in bugs:
             try:
                 model = bug.model(self.case)
@@ -476,7 +479,7 @@ class Grader:
             if m.numel() != got.numel():
                 continue
             a, b = got.detach().double().cpu().reshape(m.shape), m.detach().double().cpu()
-            if torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True):
+            if torch.allclose(a, b, rtol=max(rtol, 1e-4), atol=max(atol, 1e-5), equal_nan=True):
                 return bug.hint
         return ""
 

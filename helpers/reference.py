@@ -63,6 +63,7 @@ def attention(q, k, v, mask=None, scale=None):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q @ k.transpose(-1, -2)) * scale                       # [..., N, Nk]
     if mask is not None:
+        mask = mask.to(q.device)                                # a mask built on the CPU, q on a GPU
         s = s.masked_fill(~mask, -math.inf)
     lse = torch.logsumexp(s, dim=-1)                            # [..., N]
     if q.shape[-2] == 0 or k.shape[-2] == 0:

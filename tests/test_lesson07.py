@@ -87,6 +87,7 @@ def _with_bug(template, bug):
     interpreter and compiler both read a kernel's globals, not a closure)."""
     fn = types.FunctionType(template.__code__, {**template.__globals__, "BUG": tl.constexpr(bug)},
                             template.__name__, template.__defaults__)
+    fn.__annotations__ = dict(template.__annotations__)   # `X: tl.constexpr`: the compiler reads these
     return triton.jit(fn)
 
 

@@ -156,6 +156,12 @@ class _CountLaunches:
 def test_one_launch_and_counters_reset(monkeypatch):
     """Several splits merge inside the one launch; the counters are back to 0 after it, so a
     second call on the cached workspace gives the same O."""
+    if ON_GPU:      # autotune's own timing launches first, outside the count
+        q, k, v = make_cache(3, 1, 4, 2, 16, 64, DTYPES[0], seed=3)
+        flash_attn_with_kvcache_triton(q, k, v, torch.tensor((5, 64, 33), dtype=torch.int32, device=DEVICE),
+                                       num_splits=4)
+        flash_decode_triton(q[:, 0].contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
+                            num_splits=4)
     counting = _CountLaunches(ta._decode_kernel)
     monkeypatch.setattr(ta, "_decode_kernel", counting)
     lens = (5, 64, 33)
@@ -227,7 +233,8 @@ def test_good_inputs_of_the_bad_input_tests_run():
 @pytest.mark.parametrize("layout,spoil,exc,match", [("contiguous", *b) for b in BAD] + [("paged", *b) for b in BAD_PAGED])
 def test_bad_input_messages(layout, spoil, exc, match):
     args = _good() if layout == "contiguous" else _paged()
-    if ON_GPU and "cache_seqlens[" in match or ON_GPU and "is not a page" in match:
+    value_check = match.replace("\\", "").startswith(("cache_seqlens[", "block_table[1, 1]"))
+    if ON_GPU and value_check:     # lengths and page indices: read on the host, so checked on the CPU only
         pytest.skip("checked on the CPU only (on a GPU it would cost a device sync)")
     spoil(args)
     with pytest.raises(exc, match=match):

@@ -260,7 +260,9 @@ def _probe(inner):
     import triton
     import triton.language as tl
     scope = dict(globals(), attn_inner=inner, tl=tl, triton=triton)
-    return triton.jit(types.FunctionType(_probe_kernel.__code__, scope, _probe_kernel.__name__))
+    probe = types.FunctionType(_probe_kernel.__code__, scope, _probe_kernel.__name__)
+    probe.__annotations__ = dict(_probe_kernel.__annotations__)   # `BLOCK_M: tl.constexpr`: the compiler reads these
+    return triton.jit(probe)
 
 
 def _safe_max(g) -> bool:
@@ -308,11 +310,10 @@ def _safe_max(g) -> bool:
 
 
 def _fwd_idea(g, fn):
-    """The work must happen in the kernel: no torch matmul/softmax on the host, no N x Nk tensor."""
-    if torch.cuda.is_available():
-        return  # the meter sees host-side torch ops; on a GPU the same code path is checked on the CPU run
+    """The work must happen in the kernel: no torch matmul/softmax on the host, no N x Nk tensor.
+    The meter sees torch's ops on a GPU's tensors as on the CPU's; a Triton launch is not one of them."""
     gen = torch.Generator().manual_seed(71)
-    q, k, v = (_randn(gen, 1, 1, 48, 16, dtype=torch.float32) for _ in range(3))
+    q, k, v = (_randn(gen, 1, 1, 48, 16, dtype=_dtypes()[0]) for _ in range(3))
     r = g.measure(Case("the work happens in the kernel (metered)", q, k, v, causal=True), fn=fn,
                   names=["q", "k", "v"])
     used = sorted(set(r.ops) & _TORCH_MATH)
@@ -413,15 +414,14 @@ def flash_decode_triton(g):
                             "NaN: an empty split has lse_s = -inf; with the max subtracted its weight is "
                             "exp(-inf - lse_max) = 0. If every split were empty, use 0 for lse_max"))
         g.count()
-    if not torch.cuda.is_available():  # the work must happen in the kernels
-        gen = torch.Generator().manual_seed(78)
-        q, k, v = _randn(gen, 1, 2, 16, dtype=torch.float32), *(_randn(gen, 1, 2, 64, 16, dtype=torch.float32)
-                                                                 for _ in range(2))
-        r = g.measure(Case("the work happens in the kernels (metered)", q, k, v, num_splits=4), fn=fn,
-                      names=["q", "k", "v"])
-        used = sorted(set(r.ops) & (_TORCH_MATH | {"sum", "mean", "amax", "max"}))
-        if used:
-            g.fail(f"your launcher ran torch ops on the host: {', '.join('aten.' + u for u in used)}",
-                   hint="the split kernel and the combine kernel do all the math; a host-side combine reads the "
-                        "partial results back and launches a kernel per op, which is what Flash-Decoding avoids")
+    # the work must happen in the kernels (metered on a GPU as on the CPU)
+    gen, dt = torch.Generator().manual_seed(78), _dtypes()[0]
+    q, k, v = _randn(gen, 1, 2, 16, dtype=dt), *(_randn(gen, 1, 2, 64, 16, dtype=dt) for _ in range(2))
+    r = g.measure(Case("the work happens in the kernels (metered)", q, k, v, num_splits=4), fn=fn,
+                  names=["q", "k", "v"])
+    used = sorted(set(r.ops) & (_TORCH_MATH | {"sum", "mean", "amax", "max"}))
+    if used:
+        g.fail(f"your launcher ran torch ops on the host: {', '.join('aten.' + u for u in used)}",
+               hint="the split kernel and the combine kernel do all the math; a host-side combine reads the "
+                    "partial results back and launches a kernel per op, which is what Flash-Decoding avoids")
     return None
