@@ -134,7 +134,9 @@ def _fwd_cases():
     mk = lambda B, H, N, Nk, d, dt, s=1.0: (_randn(rng, B, H, N, d, dtype=dt, scale=s),   # noqa: E731
                                             _randn(rng, B, H, Nk, d, dtype=dt), _randn(rng, B, H, Nk, d, dtype=dt))
     return [
-        Case("whole tiles, N = Nk = 32", *mk(1, 2, 32, 32, 32, f32)),
+        # 128: whole tiles for every BLOCK_M, BLOCK_N up to 128, and several KV tiles per row for each, so the
+        # rescale by alpha is exercised on a GPU (BLOCK_N = 64) as under the interpreter (16)
+        Case("whole tiles, N = Nk = 128", *mk(1, 1, 128, 128, 32, f32)),
         Case("ragged: N = Nk = 40 (not a multiple of the tile)", *mk(1, 2, 40, 40, 16, f32)),
         Case("N = 1 (one query)", *mk(1, 2, 1, 37, 16, f32)),
         Case("Nk != N: N = 33, Nk = 21", *mk(2, 1, 33, 21, 16, f32)),
@@ -152,7 +154,7 @@ def _fwd_cases():
     ]
 
 
-def _poisoned(g, dtype, N=20, Nk=19, d=16, pad=16):
+def _poisoned(g, dtype, N=20, Nk=19, d=16, pad=128):   # pad: a load past Nk up to any BLOCK_N <= 128 reads NaN
     """k, v views whose storage goes on past Nk with NaN: a load without a mask reads the NaN."""
     q = _randn(g, 1, 1, N, d, dtype=dtype)
     kb = _randn(g, 1, 1, Nk + pad, d, dtype=dtype)

@@ -127,7 +127,8 @@ def _cases():
 
     name16 = str(f16).replace("torch.", "")
     return [
-        Case("whole tiles, N = Nk = 32", *mk(1, 2, 32, 32, 16, f32)),
+        # 128: whole tiles under the interpreter (16 x 16) and on a GPU (64 x 64), several query blocks per program
+        Case("whole tiles, N = Nk = 128", *mk(1, 1, 128, 128, 16, f32)),
         Case("ragged: N = Nk = 37 (not a multiple of the tile)", *mk(1, 1, 37, 37, 32, f32)),
         Case("N != Nk: N = 21, Nk = 40", *mk(2, 1, 21, 40, 16, f32)),
         Case("causal, N = Nk = 40", *mk(1, 2, 40, 40, 16, f32), causal=True),
@@ -140,7 +141,7 @@ def _cases():
     ]
 
 
-def _poisoned(gen, dtype, N=21, Nk=19, d=16, pad=16):
+def _poisoned(gen, dtype, N=21, Nk=19, d=16, pad=128):   # pad: a load past N up to any BLOCK_M <= 128 reads NaN
     """q, do views whose storage goes on past row N with NaN: a row load without a mask reads the NaN."""
     qb = _randn(gen, 1, 1, N + pad, d, dtype=dtype)
     dob = _randn(gen, 1, 1, N + pad, d, dtype=dtype)
