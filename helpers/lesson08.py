@@ -21,7 +21,7 @@ import torch
 from . import lesson04
 
 __all__ = ["flash_attn_fwd", "attn_bwd_preprocess_ref", "flash_attn_bwd_ref", "flash_attn_bwd_two_pass",
-           "FlashAttentionRef", "attention_bhtd", "p_memory", "BwdStep", "bwd_schedule",
+           "FlashAttentionRef", "attention_bhtd", "p_memory", "p_traffic_time", "BwdStep", "bwd_schedule",
            "render_bwd_step", "make_text", "CharData", "TinyGPT", "train", "plot_losses"]
 
 NEG_INF = -math.inf
@@ -195,6 +195,21 @@ def attention_bhtd(fn_class, q, k, v, causal=True, Br=16, Bc=16):
 def p_memory(N: int, heads: int = 32, d: int = 128, bytes_per=2, lse_bytes=4) -> dict:
     """Bytes per sequence and layer: the probabilities P [heads, N, N] against O [heads, N, d] + lse [heads, N]."""
     return dict(P=heads * N * N * bytes_per, O=heads * N * d * bytes_per, lse=heads * N * lse_bytes)
+
+
+def p_traffic_time(d: int = 128, bytes_per=2, flops=None, bytes_per_s=None) -> dict:
+    """Time per score (one element of the N x Nk matrix, one head), in seconds, at a FLOP rate and a bandwidth.
+
+    ``matmul_fwd``: the forward's two matmuls, 4·d FLOPs per score; ``matmul_bwd``: the backward's five, 10·d.
+    ``p_round_trip``: writing P once and reading it back once (2 accesses of ``bytes_per`` bytes).
+    ``standard_fwd``: the N x N traffic of standard attention's forward (FlashAttention paper, Algorithm 0:
+    S written, S read, P written, P read: 4 accesses). Defaults: the H200 datasheet (lesson 06's figures).
+    """
+    from .lesson06 import H200_BF16_FLOPS, H200_BYTES_PER_S
+    flops = H200_BF16_FLOPS if flops is None else flops
+    bytes_per_s = H200_BYTES_PER_S if bytes_per_s is None else bytes_per_s
+    return dict(matmul_fwd=4 * d / flops, matmul_bwd=10 * d / flops,
+                p_round_trip=2 * bytes_per / bytes_per_s, standard_fwd=4 * bytes_per / bytes_per_s)
 
 
 # ------------------------------------------------------------------ the backward tile walk

@@ -137,7 +137,8 @@ def training_summary(rec) -> str:
     f, s = rec["runs"]["flash"], rec["runs"]["sdpa"]
     return (f"final loss {f['loss'][-1]:.4f} (flash_attention) vs {s['loss'][-1]:.4f} (SDPA); largest per-step "
             f"difference {rec['max_loss_diff']:.4f}; {f['tokens_per_s']:.0f} vs {s['tokens_per_s']:.0f} tokens/s "
-            f"({rec['speedup_tokens_per_s']:.2f}x)")
+            f"({rec['speedup_tokens_per_s']:.2f}x); {rec.get('device_name', '?')}, torch {rec.get('torch', '?')}, "
+            f"triton {rec.get('triton', '?')}, {rec.get('date', '?')}")
 
 
 # ------------------------------------------------------------------ without Triton (macOS, Windows)

@@ -781,23 +781,25 @@ def kv_bytes(N, layers=32, Hkv=8, d=128, bytes_per_elem=2, B=1):
 def activation_bytes(N, layers=32, hidden=4096, B=1):
     """Activations a training step keeps for backward, ~34·N·hidden bytes per layer in bf16 with
     FlashAttention (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-    Models", 2022: s·b·h·(34 + 5·a·s/h), whose second term FlashAttention removes)."""
+    Models", 2022: s·b·h·(34 + 5·a·s/h), whose second term FlashAttention removes). The 34 already
+    counts the layer's Q, K and V, its dropout masks and a GeLU MLP of width 4·h (that paper's model),
+    so K/V (``kv_bytes``) is a part of this figure, not something to add to it."""
     return 34 * B * N * hidden * layers
 
 
 def plot_memory(Ns=(131072, 262144, 524288, 1048576), Ps=(1, 2, 4, 8), ax=None, **model):
-    """Per-GPU memory of K/V and of training activations (a Llama-3-8B shape) vs N, sharded over P GPUs."""
+    """Per-GPU memory of training activations (K/V among them; a Llama-3-8B shape) vs N, sharded over P GPUs."""
     import matplotlib.pyplot as plt
     ax = ax or plt.subplots(figsize=(7, 3.4))[1]
     for P in Ps:
-        ax.plot(Ns, [(kv_bytes(N, **model) + activation_bytes(N)) / P / 1e9 for N in Ns], "o-", label=f"P = {P}")
+        ax.plot(Ns, [activation_bytes(N, **model) / P / 1e9 for N in Ns], "o-", label=f"P = {P}")
     ax.axhline(H200_HBM_BYTES / 1e9, color="k", ls=":", lw=1)
     ax.text(Ns[0], H200_HBM_BYTES / 1e9 * 1.1, "one H200 (141 GB)", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens N")
     ax.set_ylabel("GB per GPU")
-    ax.set_title("K/V + activations of a training step (32 layers, hidden 4096, 8 KV heads)", fontsize=10)
+    ax.set_title("activations of a training step, K/V included (32 layers, hidden 4096)", fontsize=10)
     ax.legend(fontsize=8)
     return ax
 
@@ -841,14 +843,15 @@ def load_gpu_results(path=GPU_RESULTS):
 
 
 def gpu_results_table(res) -> str:
-    """The "ring" rows as a text table, with the machine, versions and date."""
+    """The "ring" rows as a text table, with the machine, versions and date; each row says whether it was causal."""
     meta = res.get("meta", {})
     lines = [f"{meta.get('gpus', '?')} x {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, "
              f"triton {meta.get('triton', '?')}, {meta.get('date', '?')}",
-             f"{'layout':10s} {'overlap':>7s} {'N':>8s} {'ring ms':>9s} {'1 GPU ms':>9s} {'speedup':>8s}"]
+             f"{'layout':10s} {'causal':>6s} {'overlap':>7s} {'N':>8s} {'ring ms':>9s} {'1 GPU ms':>9s} {'speedup':>8s}"]
     for row in res.get("ring", []):
         single = row.get("single_gpu_ms")
-        lines.append(f"{row['layout']:10s} {str(row['overlap']):>7s} {row['N']:>8d} {row['ms']:>9.2f} "
+        lines.append(f"{row['layout']:10s} {str(bool(row.get('causal'))):>6s} {str(row['overlap']):>7s} "
+                     f"{row['N']:>8d} {row['ms']:>9.2f} "
                      f"{(f'{single:.2f}' if single else 'n/a'):>9s} "
                      f"{(format(row['speedup'], '.2f') + 'x' if row.get('speedup') else 'n/a'):>8s}")
     return "\n".join(lines)

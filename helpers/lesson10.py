@@ -32,7 +32,7 @@ from .results import RESULTS, fmt, load_results, results_label
 __all__ = ["cu_seqlens_from_lengths", "check_cu_seqlens", "lengths_from_cu_seqlens", "padding_waste",
            "waste_table", "plot_waste", "long_tailed_lengths", "uniform_lengths", "few_long_many_short",
            "num_programs", "varlen_block_map_ref", "plot_block_map", "CacheFull", "BlockAllocator", "PagedKVCache",
-           "gather_kv_ref", "plot_pool", "kv_cache_bytes", "RESULTS", "load_results", "results_label",
+           "gather_kv_ref", "plot_pool", "kv_cache_bytes", "block_waste", "RESULTS", "load_results", "results_label",
            "serving_results", "serving_tables", "show_serving_results", "NOT_MEASURED", "NO_TRITON",
            "require_triton"]
 
@@ -400,6 +400,25 @@ def kv_cache_bytes(tokens: int, layers: int, Hkv: int, d: int, bytes_per_elem: i
     return 2 * layers * Hkv * d * bytes_per_elem * tokens
 
 
+def block_waste(lengths, block_size: int) -> dict:
+    """Internal fragmentation of a paged cache: sequences of ``lengths`` tokens in blocks of ``block_size``.
+
+    Each sequence holds ``cdiv(n, block_size)`` blocks; only its last one can be partly filled. Returns the
+    token slots held, the empty ones (``wasted``), their fraction of what is held, the empty slots per
+    sequence, and the block-table entries (one int32 per block).
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    lengths = [int(n) for n in lengths]
+    if any(n < 0 for n in lengths):
+        raise ValueError("lengths must be >= 0")
+    blocks = sum(-(-n // block_size) for n in lengths)
+    held = blocks * block_size
+    wasted = held - sum(lengths)
+    return dict(held=held, wasted=wasted, fraction=wasted / held if held else 0.0,
+                per_seq=wasted / len(lengths) if lengths else 0.0, table_entries=blocks)
+
+
 # ------------------------------------------------------------------ recorded results (bench/results/h200.json)
 NOT_MEASURED = "not measured yet"
 
@@ -437,7 +456,7 @@ def serving_tables(res) -> str:
     """The three tables, each with its label, or "not measured yet" for a section with no rows."""
     rows = serving_results(res)
     out = []
-    out.append("varlen prefill (packed), TFLOP/s of useful work (padding not counted)")
+    out.append("varlen prefill (packed), TFLOP/s of useful work (padding not counted); median of do_bench")
     if rows["varlen"]:
         out.append("  " + results_label(res, "varlen"))
         out.append(f"{'dtype':>8} {'d':>4} {'causal':>6} {'H':>3} {'Hkv':>3} {'tokens':>7} {'lengths':>30} "
@@ -451,20 +470,22 @@ def serving_tables(res) -> str:
     else:
         out.append(f"  {NOT_MEASURED}")
     out.append("")
-    out.append("paged decode, GB/s (K and V read once)")
+    out.append("paged decode, GB/s (K and V read once); median of do_bench, graph: median of do_bench_cudagraph")
     if rows["paged"]:
         out.append("  " + results_label(res, "paged"))
         out.append(f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'d':>4} {'block':>5} {'mean_len':>8} "
-                   f"{'paged':>7} {'graph':>7} {'contig':>7} {'cudnn':>7} {'p/contig':>8}")
+                   f"{'paged':>7} {'graph':>7} {'contig':>7} {'eq_sdpa':>7} {'p/contig':>8}")
         for r in rows["paged"]:
             t, c, cu = r.get("triton_gbs"), r.get("contig_triton_gbs"), r.get("sdpa_cudnn_gbs")
             out.append(f"{r.get('dtype', '?'):>8} {r.get('B', '?'):>3} {r.get('H', '?'):>3} {r.get('Hkv', '?'):>3} "
                        f"{r.get('d', '?'):>4} {r.get('block_size', '?'):>5} {_f(r.get('mean_len')):>8} {_f(t):>7} "
                        f"{_f(_graph_gbs(r)):>7} {_f(c):>7} {_f(cu):>7} {_ratio(t, c):>8}")
+        out.append("  eq_sdpa: SDPA (cuDNN backend) on an equal-length, non-paged batch with the same total tokens,")
+        out.append("  not a paged kernel: SDPA cannot take per-sequence lengths without a mask")
     else:
         out.append(f"  {NOT_MEASURED}")
     out.append("")
-    out.append("decode (contiguous cache), GB/s: do_bench and CUDA-graph timings")
+    out.append("decode (contiguous cache), GB/s: medians of do_bench and of do_bench_cudagraph (graph)")
     if rows["decode"]:
         out.append("  " + results_label(res, "decode"))
         out.append(f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'Nk':>7} {'d':>4} {'triton':>7} {'graph':>7} "

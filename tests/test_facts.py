@@ -228,3 +228,237 @@ def test_lesson06_table_gives_the_librarys_argument_order(fn):
 ])
 def test_retracted_statements_stay_out(name, wrong):
     assert wrong not in _markdown(name)
+
+
+# =========================================================================== issue 23: lessons 06–10
+def _cells(name: str, kind: str | None = None):
+    import nbformat
+    from pathlib import Path
+    nb = nbformat.read(Path(__file__).resolve().parent.parent / "solutions" / f"{name}.ipynb", as_version=4)
+    return [c for c in nb.cells if kind is None or c.cell_type == kind]
+
+
+def _flat(text: str) -> str:
+    """Markdown with its line breaks (and blockquote marks) folded into single spaces."""
+    import re
+    return re.sub(r"\s+", " ", text.replace("\n>", "\n"))
+
+
+def _interview(name: str) -> str:
+    cells = [c.source for c in _cells(name, "markdown") if "Say it in the interview" in c.source]
+    assert len(cells) == 1, f"{name}: one interview section expected"
+    return _flat(cells[0])
+
+
+def _outputs(name: str, needle: str) -> str:
+    """The text output of the one code cell whose source contains ``needle``."""
+    cells = [c for c in _cells(name, "code") if needle in c.source]
+    assert len(cells) == 1, (name, needle, len(cells))
+    return "".join(o.get("text", "") for o in cells[0].get("outputs", []))
+
+
+# --------------------------------------------------------------------------- 09: all-gather, Llama 3 §3.3.2
+def test_lesson09_gives_llama3s_reasons_for_all_gather():
+    text = _flat(_markdown("09_ring_attention"))
+    assert "§3.3.2" in text and "exposed on the critical path" in text
+    assert "document masks" in text and "much smaller than Q" in text
+    assert "overlaps well" not in text
+
+
+# --------------------------------------------------------------------------- 09: the sizes that were measured
+def test_lesson09_names_only_the_measured_lengths():
+    res = __import__("helpers.lesson09", fromlist=["x"]).load_gpu_results()
+    assert res["meta"]["skipped_for_time"] == [524288]
+    assert max(r["N"] for r in res["ring"]) == 262144
+    text = _flat(_markdown("09_ring_attention"))
+    assert "64k to 256k" in text and "skipped_for_time" in text
+    assert "64k to 512k" not in text
+
+
+# --------------------------------------------------------------------------- 09: the table says which rows are causal
+def test_lesson09_gpu_table_labels_causal_rows():
+    from helpers import lesson09 as L
+    res = L.load_gpu_results()
+    table = L.gpu_results_table(res).splitlines()
+    assert table[1].split()[:3] == ["layout", "causal", "overlap"]
+    rows = [line.split() for line in table[2:]]
+    assert len(rows) == len(res["ring"])
+    for row, rec in zip(rows, res["ring"]):
+        assert row[0] == rec["layout"] and row[1] == str(rec["causal"])
+        assert rec["causal"] == (rec["layout"] == "zigzag")          # what the notebook says of the rows
+    assert "contiguous rows are **not causal**" in _flat(_markdown("09_ring_attention"))
+    out = _outputs("09_ring_attention", "gpu_results_table").splitlines()
+    assert any(line.split()[:3] == ["layout", "causal", "overlap"] for line in out)      # the saved output too
+
+
+# --------------------------------------------------------------------------- 09: when overlap pays
+def test_lesson09_overlap_condition_and_the_measured_numbers():
+    from helpers import lesson09 as L
+    F_over_B = 0.6 * L.H200_BF16_FLOPS / L.NVLINK_BYTES_PER_S            # tokens: Ring Attention §3, c >= F/B
+    assert 1250 < F_over_B < 1350
+    res = L.load_gpu_results()
+    for r in res["ring"]:
+        chunk = r["N"] // r["world"] // (2 if r["layout"] == "zigzag" else 1)
+        assert chunk >= 16384 > 10 * F_over_B                            # the measured chunks are far past it
+        if r["step_ms"]:
+            assert r["transfer_ms"] < min(r["step_ms"]) / 5
+    by = {(r["N"], r["layout"], r["overlap"]): r["ms"] for r in res["ring"]}
+    assert by[(65536, "contiguous", False)] == 67.257 and by[(65536, "contiguous", True)] == 68.968
+    text = _flat(_markdown("09_ring_attention"))
+    assert "`c ≥ F / B`" in text and "67.26 against 68.97 ms" in text and "overlap changes little" in text
+    assert "Why overlap pays" not in text
+    assert "F / B = 1,319 tokens" in _outputs("09_ring_attention", "L.step_times(N, P=2)")
+
+
+# --------------------------------------------------------------------------- 09: the causal imbalance is 2P - 1
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_lesson09_contiguous_causal_imbalance_is_2P_minus_1(P):
+    from helpers import lesson09 as L
+    totals = [sum(row) for row in L.ring_schedule(P, "contiguous")]
+    assert max(totals) / min(totals) == 2 * P - 1
+    text = _flat(_markdown("09_ring_attention"))
+    assert "**`2P - 1` times**" in text and "1.45×" in text and "256k" in text
+    assert "`P` times the work of the first" not in text
+
+
+# --------------------------------------------------------------------------- 09: activations already hold K/V
+def test_lesson09_memory_counts_kv_once():
+    import matplotlib
+    matplotlib.use("Agg")
+    from helpers import lesson09 as L
+    N = 131072
+    assert L.activation_bytes(N) / L.H200_HBM_BYTES == pytest.approx(4.14, abs=0.01)      # 4.1 H200s, not four
+    assert L.kv_bytes(1048576) < L.H200_HBM_BYTES                                           # 137 GB < 141 GB
+    ax = L.plot_memory(Ns=(N,), Ps=(1, 2))
+    ys = sorted(line.get_ydata()[0] for line in ax.lines if len(line.get_ydata()) == 1)
+    assert ys == pytest.approx([L.activation_bytes(N) / 2e9, L.activation_bytes(N) / 1e9])  # no K/V added on top
+    text = _flat(_markdown("09_ring_attention"))
+    assert "4.1 H200s" in text and "97% of one H200" in text and "a **part** of the activations" in text
+    assert "four H200s" not in text and "not its K and V" not in text
+    out = _outputs("09_ring_attention", "L.activation_bytes(N)")
+    assert "  601.3" not in out and "584.1" in out                                         # per GPU = activations / P
+
+
+# --------------------------------------------------------------------------- 08: determinism as the libraries do it
+def test_lesson08_deterministic_backward_is_attributed():
+    text = _flat(_markdown("08_backward_pass"))
+    for fact in ("fixes the **order**", "own** fp32 slice of `dq_accum`", "`convert_dQ` sums",
+                 "semaphore per (batch, head)", "`hopper/epilogue_bwd.hpp`", "is the course's choice for its"):
+        assert fact in text, fact
+    interview = _interview("08_backward_pass")
+    assert "a deterministic variant runs a separate dQ pass" not in interview
+    assert "FlashAttention-2 gives each thread block its own fp32 dQ slice" in interview
+    assert "FlashAttention-2's deterministic=True gives each thread block its own fp32 dQ slice" in interview
+
+
+# --------------------------------------------------------------------------- 08: why not store P, in numbers
+def test_lesson08_p_round_trip_against_the_matmuls():
+    from helpers import lesson08
+    t = lesson08.p_traffic_time(d=128)                            # H200 datasheet: 989 TFLOP/s, 4.8 TB/s
+    assert t["p_round_trip"] / t["matmul_fwd"] == pytest.approx(1.61, abs=0.01)
+    assert t["p_round_trip"] < t["matmul_bwd"]                    # less than the backward's matmuls
+    assert t["standard_fwd"] == 2 * t["p_round_trip"]             # Algorithm 0: S and P, each written and read
+    m = lesson08.p_traffic_time(d=128, flops=715e12, bytes_per_s=4.23e12)
+    assert m["p_round_trip"] / m["matmul_fwd"] == pytest.approx(1.32, abs=0.01)
+    text = _flat(_markdown("08_backward_pass"))
+    assert "far more time than the matmuls" not in text
+    assert "about 1.6× the forward's matmul time" in text and "Algorithm 0" in text
+    out = _outputs("08_backward_pass", "lesson08.p_traffic_time(d=128)")
+    assert "datasheet: P written + read 1.6x" in out and "measured : P written + read 1.3x" in out
+
+
+def test_lesson08_gqa_breaks_one_writer_per_dk_row():
+    text = _flat(_markdown("08_backward_pass"))
+    assert "is one thread block: no two write the same rows" not in text           # the unqualified claim
+    assert "within a head, no two write the same rows of `dK`, `dV`. Under GQA" in text
+    assert "Under GQA that no longer holds" in text and "expanded `dK`, `dV`" in text
+    assert "fp32 `dK`, `dV` buffers with atomic adds" in text
+
+
+def test_lesson08_figures_carry_their_machine_and_numbers():
+    from helpers import lesson08_gpu
+    rec = lesson08_gpu.load_training()
+    summary = lesson08_gpu.training_summary(rec)
+    assert "875022 vs 924478 tokens/s" in summary
+    assert "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-11-29" in summary
+    assert "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-11-29" in _outputs("08_backward_pass",
+                                                                                  "training_summary(rec)")
+    text = _flat(_markdown("08_backward_pass"))
+    assert "which the H200 measured slower" not in text
+    assert "faster in 7 of the 8 shapes" in text and "within 3% at d = 128" in text
+    assert "which keeps the tensor cores busy with warp-specialised" not in text
+    assert "is our inference, not a documented fact" in text
+
+
+# --------------------------------------------------------------------------- 10: page size, fragmentation, bytes, lse
+def test_lesson10_states_fa2s_page_size_rule():
+    text = _flat(_markdown("10_serving"))
+    assert "multiple of 256" in text and "`mha_fwd_kvcache` in `csrc/flash_attn/flash_api.cpp`" in text
+    assert "vLLM's default 16-token blocks therefore cannot go through upstream FA2's API" in text
+    assert "FlashAttention-3 (`hopper/flash_api.cpp`) has no such rule" in text
+
+
+def test_lesson10_paging_leaves_internal_fragmentation():
+    from helpers import lesson10 as L
+    w = L.block_waste([17, 16, 0, 1], 16)                          # blocks: 2 + 1 + 0 + 1
+    assert w == dict(held=64, wasted=30, fraction=30 / 64, per_seq=7.5, table_entries=4)
+    with pytest.raises(ValueError):
+        L.block_waste([3], 0)
+    lengths = L.long_tailed_lengths(64, seed=0, median=512, sigma=1.0)
+    assert L.block_waste(lengths, 16)["fraction"] < 0.01 < 0.1 < L.block_waste(lengths, 256)["fraction"]
+    text = _flat(_markdown("10_serving"))
+    assert "- No fragmentation:" not in text and "No fragmentation," not in _interview("10_serving")
+    assert "No **external** fragmentation" in text and "Internal fragmentation remains" in text
+    assert "blocks of  16, long-tailed (lognormal)" in _outputs("10_serving", "L.block_waste(lengths, block_size)")
+
+
+def test_lesson10_byte_count_is_a_lower_bound():
+    text = _flat(_markdown("10_serving"))
+    assert "**lower bound** on what a FlashAttention forward moves" in text and "Theorem 2" in text
+
+
+def test_empty_rows_lse_says_whose_convention():
+    text10 = _flat(_markdown("10_serving"))
+    assert "by this course's convention, lse = −inf" in text10 and "FlashAttention-2 writes lse = +∞" in text10
+    text06 = _flat(_markdown("06_flash_decoding"))
+    assert "does exactly `combine_splits`" not in text06
+    assert "FlashAttention-2's combine writes `lse = +inf`" in text06
+
+
+def test_lesson10_padding_and_the_tables_labels():
+    from helpers import lesson10 as L
+    interview = _interview("10_serving")
+    assert "Serving never pads" not in interview
+    assert "CUDA graph" in interview and "`remove_input_padding` off" in interview
+    text = L.serving_tables(L.load_results())
+    titles = [line for line in text.splitlines() if line and not line.startswith(" ") and "GB/s" in line or "TFLOP/s" in line]
+    assert len(titles) == 3 and all("median" in t for t in titles)
+    assert "eq_sdpa" in text and "equal-length, non-paged batch" in text
+    paged_header = next(line for line in text.splitlines() if "block" in line and "mean_len" in line)
+    assert "cudnn" not in paged_header
+    assert "**equal-length, non-paged** batch" in _flat(_markdown("10_serving"))
+    assert "eq_sdpa" in _outputs("10_serving", "L.show_serving_results()")
+
+
+def test_lesson07_teaching_decode_figure_has_its_label():
+    text = _flat(_markdown("07_triton_gpu"))
+    assert ("0.99–1.06 TB/s effective (bytes counted once) at B = 8, H = 32, Hkv = 8, fp16, Nk 4k–64k, 0.24–0.37× "
+            "cuDNN (one NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-11-29") in text
+
+
+# --------------------------------------------------------------------------- the interview answers (section 2 of the issue)
+@pytest.mark.parametrize("name, must", [
+    ("08_backward_pass", ["fp32 buffer", "preprocess that computes D also zeroes", "scales it and casts it",
+                          "FlashAttention-3 makes the KV blocks take turns with a semaphore",
+                          "the query heads of a group add into the same dK and dV",
+                          "saves the random generator's seed and offset"]),
+    ("09_ring_attention", ["c ≥ F/B", "dK and dV travel with it", "striped attention",
+                           "Llama 3 used although its latency is exposed", "pass-KV", "pass-Q"]),
+    ("10_serving", ["continuous batching", "reference count per block", "copy-on-write", "default of 16 tokens",
+                    "lengthen the block table", "multiple of 256 tokens", "FlashAttention-3 takes any page size",
+                    "longest causal blocks are launched first"]),
+])
+def test_interview_answers_carry_what_a_strong_answer_has(name, must):
+    interview = _interview(name)
+    for fact in must:
+        assert fact in interview, (name, fact)
