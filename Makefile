@@ -100,6 +100,7 @@ check-gpu:  ## (CUDA GPU) kernel and checker tests natively, every notebook in a
 
 bench:  ## time the Triton kernels (forward, varlen, decode, paged decode, backward) against SDPA and train a small GPT (CUDA GPU; writes bench/results/)
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench.py
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_paths.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_varlen.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_kvcache.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_bwd.py
