@@ -8,15 +8,16 @@ halved when causal. Decode: effective GB/s of flash_decode_triton and of SDPA's
 flash and cuDNN backends, bytes = the K and V cache read once. Every Triton case
 is checked first against a float64 reference (FlashAttention's rule: max error
 at most twice SDPA's own, same dtype) and the row records pass or fail.
-Timing: triton.testing.do_bench, median, L2 flushed before each repetition.
-Also measured once: device-to-device copy bandwidth and the bf16 matmul rate
-(the two ceilings). Writes <out>/<gpu>.json and <out>/<gpu>.png, prints a
-short table last. --explore also times fixed kernel configurations and
+Timing: bench/common.py's policy (triton.testing.do_bench, median, L2 flushed
+before each repetition). Also measured once: device-to-device copy bandwidth and
+the bf16 matmul rate (the two ceilings, in each section's meta). Writes the
+sections "prefill" and "decode", each with its "<section>_meta", into
+<out>/<gpu>.json (other sections kept) and <out>/<gpu>.png, prints a short
+table last. --explore also times fixed kernel configurations and
 num_splits choices (written to <out>/explore.json) to pick the defaults.
 """
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -24,28 +25,19 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
+from common import (RESULTS_DIR, TIMING, GRAPH_TIMING, bench_ms, check_prefill, graph_ms, log,  # noqa: E402
+                    results_path, run_meta, sdpa_backends, sdpa_ms, within_sdpa_error, write_json, write_section)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention import sdpa_kernel  # noqa: E402
 
 from helpers.triton_attention import flash_attn_triton, flash_decode_triton  # noqa: E402
 import helpers.triton_attention as ta  # noqa: E402
 
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def bench_ms(fn, rep=100):
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
 def ceilings():
@@ -65,68 +57,14 @@ def ceilings():
 # ----------------------------------------------------------------------------- prefill
 
 
-def ref_heads(q, k, v, causal, heads):
-    """float64 reference O for the (b, h) pairs in heads: list of [N, d]."""
-    outs = []
-    for b, h in heads:
-        qh, kh, vh = (t[b, h].double() for t in (q, k, v))
-        N, d = qh.shape
-        rows = []
-        for i0 in range(0, N, 4096):
-            s = qh[i0:i0 + 4096] @ kh.T / math.sqrt(d)  # [chunk, Nk]
-            if causal:
-                i = torch.arange(i0, min(i0 + 4096, N), device=q.device)[:, None]
-                j = torch.arange(kh.shape[0], device=q.device)[None, :]
-                s = s.masked_fill(j > i, float("-inf"))
-            rows.append(torch.softmax(s, -1) @ vh)
-        outs.append(torch.cat(rows))
-    return outs
-
-
-def check_prefill(q, k, v, causal, o_tri, lse_tri):
-    B, H, N, d = q.shape
-    heads = [(0, 0), (B - 1, H - 1)]
-    refs = ref_heads(q, k, v, causal, heads)
-    o_sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # default dispatch, same dtype
-    tri_err = max((o_tri[b, h].double() - r).abs().max().item() for (b, h), r in zip(heads, refs))
-    sdpa_err = max((o_sdpa[b, h].double() - r).abs().max().item() for (b, h), r in zip(heads, refs))
-    # lse for one head, float64
-    qh, kh = q[0, 0].double(), k[0, 0].double()
-    s = qh[:2048] @ kh.T / math.sqrt(d)
-    if causal:
-        s = s.masked_fill(torch.arange(kh.shape[0], device=q.device)[None, :]
-                          > torch.arange(s.shape[0], device=q.device)[:, None], float("-inf"))
-    lse_err = (lse_tri[0, 0, :2048].double() - torch.logsumexp(s, -1)).abs().max().item()
-    finite = bool(torch.isfinite(o_tri).all()) and bool(torch.isfinite(lse_tri).all())
-    full_diff = (o_tri.float() - o_sdpa.float()).abs().max().item()
-    ok = finite and tri_err <= 2 * sdpa_err + 1e-5 and lse_err < 5e-3
-    return {"pass": ok, "err": tri_err, "sdpa_err": sdpa_err, "lse_err": lse_err, "max_diff_vs_sdpa": full_diff}
-
-
 def graph_gbs(fn, nbytes):
-    """GB/s with the call captured in a CUDA graph: kernel time without Python launch cost
-    (no L2 flush; for caches far larger than the 60 MB L2 that does not matter)."""
-    try:
-        ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-        return round(nbytes / ms / 1e6, 1)
-    except Exception as e:
-        log(f"    graph timing failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
-        torch.cuda.synchronize()
-        return None
+    """GB/s of the call captured in a CUDA graph (common.graph_ms), None if it could not be captured."""
+    ms = graph_ms(fn)
+    return None if ms is None else round(nbytes / ms / 1e6, 1)
 
 
 def sdpa_time(q, k, v, causal, backend, **kw):
-    def fn():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kw)
-    try:
-        with sdpa_kernel(BACKENDS[backend]):
-            fn()
-            torch.cuda.synchronize()
-            return bench_ms(fn)
-    except Exception as e:  # backend refused this case
-        log(f"    sdpa {backend} refused: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-        torch.cuda.synchronize()
-        return None
+    return sdpa_ms(backend, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kw))
 
 
 def prefill_cases(quick):
@@ -206,7 +144,7 @@ def check_decode(q, k, v, o_tri):
     except Exception:
         o_lp = torch.softmax((q.view(B, Hkv, G, d) @ k.transpose(-1, -2)).float() / math.sqrt(d), -1)
         sdpa_err = ((o_lp.to(q.dtype) @ v).reshape(B, H, d).double() - ref).abs().max().item()
-    ok = bool(torch.isfinite(o_tri).all()) and tri_err <= 2 * sdpa_err + 1e-5
+    ok = bool(torch.isfinite(o_tri).all()) and within_sdpa_error(tri_err, sdpa_err)
     return {"pass": ok, "err": tri_err, "sdpa_err": sdpa_err}
 
 
@@ -220,7 +158,7 @@ def launch_cost_us():
            "triton_1split": lambda: flash_decode_triton(q, k, v, num_splits=1)}
     for name in ("flash", "cudnn"):
         def fn(name=name):
-            with sdpa_kernel(BACKENDS[name]):
+            with sdpa_kernel(sdpa_backends()[name]):
                 return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
         fns["sdpa_" + name] = fn
     for name, fn in fns.items():
@@ -269,7 +207,7 @@ def run_decode(quick, splits_override=None, config=None, save=None):
             row[f"sdpa_{name}_gbs"] = None if ms is None else round(nbytes / ms / 1e6, 1)
             if ms is not None:
                 def fn(name=name):
-                    with sdpa_kernel(BACKENDS[name]):
+                    with sdpa_kernel(sdpa_backends()[name]):
                         return F.scaled_dot_product_attention(q4, k, v, enable_gqa=H != Hkv)
                 row[f"sdpa_{name}_gbs_graph"] = graph_gbs(fn, nbytes)
         log("  decode", json.dumps(row))
@@ -305,7 +243,7 @@ def explore():
                             tag = f"{'tma' if tma else 'ptr'}_{bm}x{bn}_w{w}_s{s}"
                             try:
                                 ms = bench_ms(lambda: flash_attn_triton(q, k, v, causal=causal, use_tma=tma,
-                                                                        config=cfg), rep=50)
+                                                                        config=cfg))
                                 line[tag] = round(flops / ms / 1e9, 1)
                             except Exception as e:
                                 line[tag] = None
@@ -331,7 +269,7 @@ def explore():
             for S in sorted({max(1, base // 2), base, base * 2, max(1, 132 // (B * Hkv)), max(1, 264 // (B * Hkv))}):
                 tag = f"bn{bn}_w{w}_s{s}_S{S}"
                 try:
-                    ms = bench_ms(lambda: flash_decode_triton(q, k, v, num_splits=S, config=cfg), rep=50)
+                    ms = bench_ms(lambda: flash_decode_triton(q, k, v, num_splits=S, config=cfg))
                     line[tag] = round(nbytes / ms / 1e6, 1)
                 except Exception as e:
                     line[tag] = None
@@ -350,6 +288,12 @@ def explore():
 def geomean(xs):
     xs = [x for x in xs if x]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def section_meta(result, section):
+    """A section's meta (GPU, versions, date, ceilings): its own ``<section>_meta``, else the file's top level
+    (files written before each section carried one)."""
+    return result.get(f"{section}_meta", result)
 
 
 def summary(result):
@@ -394,10 +338,12 @@ def summary(result):
         if ratios:
             lines.append(f"  caches >= 256 MiB: Triton do_bench / CUDA-graph GB/s min {min(ratios):.3f} (target >= 0.95)")
         lines.append(f"  decode correctness: {sum(bool(r.get('pass')) for r in dec)}/{len(dec)} pass")
-    if "ceilings" in result:
-        lines.append(f"ceilings: {result['ceilings']}")
-    if "launch_cost_us" in result:
-        lines.append(f"launch cost, us per call: {result['launch_cost_us']}")
+    meta = section_meta(result, "decode" if dec and not pre else "prefill")
+    if "ceilings" in meta:
+        lines.append(f"ceilings: {meta['ceilings']}")
+    launch = section_meta(result, "decode").get("launch_cost_us")
+    if launch:
+        lines.append(f"launch cost, us per call: {launch}")
     return "\n".join(lines)
 
 
@@ -420,7 +366,7 @@ def plot(result, path):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length N")
     ax.set_ylabel("TFLOP/s (forward, bf16)")
-    ax.set_title(f"Prefill on {result['gpu']}: solid Triton, dashed cuDNN, dotted flash")
+    ax.set_title(f"Prefill on {section_meta(result, 'prefill').get('gpu', '?')}: solid Triton, dashed cuDNN, dotted flash")
     ax.legend(fontsize=6, ncol=2)
     ax = axes[1]
     dec = [r for r in result.get("decode", []) if r["dtype"] == "bfloat16"]
@@ -429,7 +375,7 @@ def plot(result, path):
     for i, (key, name) in enumerate((("triton_gbs", "Triton"), ("sdpa_flash_gbs", "SDPA flash"),
                                      ("sdpa_cudnn_gbs", "SDPA cuDNN"))):
         ax.bar([x + (i - 1) * w for x in xs], [(r.get(key) or 0) / 1000 for r in dec], w, label=name)
-    copy = result.get("ceilings", {}).get("copy_gbs_read_plus_write")
+    copy = section_meta(result, "decode").get("ceilings", {}).get("copy_gbs_read_plus_write")
     if copy:
         ax.axhline(copy / 1000, color="k", lw=0.8, ls="--", label="measured copy (read+write)")
     ax.set_xticks(list(xs))
@@ -446,7 +392,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a small subset of the cases")
     ap.add_argument("--explore", action="store_true", help="also sweep fixed configurations (slow)")
     ap.add_argument("--explore-only", action="store_true")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--quick-prefill", action="store_true", help="the quick prefill subset, every decode row")
@@ -455,46 +401,33 @@ def main():
         sys.exit("bench.py needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name()
-    stem = gpu.lower().replace("nvidia", "").strip().replace(" ", "_") or "gpu"
     t0 = time.time()
     log(f"{gpu} torch {torch.__version__} triton {triton.__version__} "
         f"SMs {torch.cuda.get_device_properties(0).multi_processor_count}")
     if args.explore or args.explore_only:
-        res = explore()
-        with open(os.path.join(args.out, "explore.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(os.path.join(args.out, "explore.json"), explore())
         log(f"explore done at {time.time() - t0:.0f}s")
         if args.explore_only:
             return
-    path = os.path.join(args.out, f"{stem}.json")
+    path = results_path(gpu, args.out)
+    meta = run_meta(gpu, timing=f"{TIMING}; *_graph: {GRAPH_TIMING}", ceilings=ceilings())
+    log("ceilings", meta["ceilings"])
     result = {}
-    if os.path.exists(path):  # other scripts' rows (backward, varlen, paged) stay
-        with open(path) as f:
-            result = json.load(f)
-    result.update({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-                   "date": datetime.date.today().isoformat(), "timing": "triton.testing.do_bench median, L2 flushed",
-                   "ceilings": ceilings()})
-    log("ceilings", result["ceilings"])
-    def save(key):
-        def write(rows):
-            result[key] = rows
-            with open(path, "w") as f:
-                json.dump(result, f, indent=1)
+
+    def save(key, key_meta):
+        def write(rows):  # after every row: a run cut short keeps what it measured
+            result.update(write_section(key, rows, key_meta, path))
         return write
 
     if not args.skip_prefill:
-        result["prefill"] = run_prefill(args.quick or args.quick_prefill, save("prefill"))
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        save("prefill", meta)(run_prefill(args.quick or args.quick_prefill, save("prefill", meta)))
         log(f"prefill done at {time.time() - t0:.0f}s")
     if not args.skip_decode:
-        result["launch_cost_us"] = launch_cost_us()
-        log("launch cost (us per call, 16 MiB cache)", result["launch_cost_us"])
-        result["decode"] = run_decode(args.quick, save=save("decode"))
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+        decode_meta = dict(meta, launch_cost_us=launch_cost_us())
+        log("launch cost (us per call, 16 MiB cache)", decode_meta["launch_cost_us"])
+        save("decode", decode_meta)(run_decode(args.quick, save=save("decode", decode_meta)))
     try:
-        plot(result, os.path.join(args.out, f"{stem}.png"))
+        plot(result, os.path.splitext(path)[0] + ".png")
     except Exception:
         traceback.print_exc()
     log(f"done in {time.time() - t0:.0f}s; wrote {path}")

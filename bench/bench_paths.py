@@ -6,24 +6,19 @@
 GPU (and under the interpreter). The H200 runs the TMA path by default, so this script is how the pointer path,
 the one an A100, RTX 30/40 or T4 runs, is checked and timed natively: each row is checked first against
 float64 (FlashAttention's rule, as in bench.py: error at most twice SDPA's own in the same dtype), then both
-paths are timed (each autotuned for itself; do_bench median, L2 flushed). Writes
+paths are timed (each autotuned for itself; bench/common.py's do_bench median, L2 flushed). Writes
 bench/results/paths_<gpu>.json after every row and prints a short table last.
 """
 import argparse
-import datetime
-import json
 import math
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
+from common import TIMING, bench_ms, check_prefill, log, results_path, run_meta, write_json  # noqa: E402
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
-from bench import bench_ms, check_prefill, log  # noqa: E402  (bench/bench.py)
 from helpers.triton_attention import flash_attn_triton  # noqa: E402
 
 
@@ -34,12 +29,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_paths.py needs a CUDA GPU")
     gpu = torch.cuda.get_device_name()
-    stem = gpu.lower().replace("nvidia", "").strip().replace(" ", "_") or "gpu"
-    path = os.path.join(ROOT, "bench", "results", f"paths_{stem}.json")
-    result = {"meta": {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-                       "date": datetime.date.today().isoformat(),
-                       "timing": "triton.testing.do_bench median, L2 flushed; each path autotuned for itself"},
-              "rows": []}
+    path = results_path(gpu, prefix="paths_")
+    result = {"meta": run_meta(gpu, timing=f"{TIMING}; each path autotuned for itself"), "rows": []}
     N = args.N
     for dtype in (torch.float16, torch.bfloat16):
         for d in (64, 128):
@@ -58,16 +49,14 @@ def main(argv=None):
                 row["ptr_over_tma"] = round(row["ptr_tflops"] / row["tma_tflops"], 3)
                 result["rows"].append(row)
                 log(row)
-                with open(path, "w") as f:
-                    json.dump(result, f, indent=1)
+                write_json(path, result)
                 del q, k, v
     rows = result["rows"]
     ratios = [r["ptr_over_tma"] for r in rows]
     result["meta"]["ptr_over_tma_range"] = [min(ratios), max(ratios)]
     result["meta"]["ptr_over_tma_geomean"] = round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 3)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    log(f"\n{gpu}, torch {torch.__version__}, triton {triton.__version__}, N = {N}, TFLOP/s (median)")
+    write_json(path, result)
+    log(f"\n{gpu}, torch {torch.__version__}, triton {result['meta']['triton']}, N = {N}, TFLOP/s (median)")
     log(f"{'dtype':9s} {'d':>4s} {'causal':>6s} {'ptr':>7s} {'tma':>7s} {'ptr/tma':>8s}  correct (ptr, tma)")
     for r in rows:
         log(f"{r['dtype']:9s} {r['d']:4d} {str(r['causal']):>6s} {r['ptr_tflops']:7.1f} {r['tma_tflops']:7.1f} "
