@@ -10,12 +10,12 @@ References: ``helpers.reference`` (float64 SDPA and ``torch.logsumexp``); the be
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
-from .results import RESULTS, fmt, load_results, results_label
+from .results import RESULTS, fmt, load_results, results_label, section_rows
+from .results import geomean_ratio as _geomean_ratio
 
 from . import reference, triton_mode
 from .triton_mode import TritonMissing  # noqa: F401 - the stop every Triton lesson raises
@@ -115,10 +115,7 @@ def plot_tile_classes(N=256, Nk=256, BLOCK_M=64, BLOCK_N=32, causal=True, ax=Non
 
 # ------------------------------------------------------------------ benchmark results
 def prefill_rows(res, dtype=None, d=None, causal=None):
-    rows = [r for r in res.get("prefill", [])
-            if (dtype is None or r["dtype"] == dtype) and (d is None or r["d"] == d)
-            and (causal is None or bool(r["causal"]) == bool(causal))]
-    return sorted(rows, key=lambda r: (r["dtype"], r["d"], bool(r["causal"]), r["N"]))
+    return section_rows(res, "prefill", dtype, d, causal)
 
 
 def decode_rows(res):
@@ -156,9 +153,7 @@ def decode_table(res) -> str:
 
 def geomean_ratio(res, other: str, min_N: int = 2048, **filters):
     """Geometric mean over prefill rows with N >= min_N of triton_tflops / ``other`` (None if no row has both)."""
-    logs = [math.log(r["triton_tflops"] / r[other]) for r in prefill_rows(res, **filters)
-            if r["N"] >= min_N and r.get("triton_tflops") and r.get(other)]
-    return math.exp(sum(logs) / len(logs)) if logs else None
+    return _geomean_ratio(res, "prefill", other, min_N, **filters)
 
 
 _IMPLS = [("triton_tflops", "Triton (this course)", "-o"), ("sdpa_flash_tflops", "SDPA flash", "--s"),
@@ -189,7 +184,7 @@ def plot_prefill(res, ceilings=None):
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle("prefill: " + results_label(res), fontsize=10)
+    fig.suptitle("prefill: " + results_label(res, "prefill"), fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -318,7 +313,7 @@ def show_recorded_results(res=None):
         print(f"(no recorded results: {RESULTS} is missing)")
         return
     print()
-    print(results_label(res))
+    print(results_label(res, "prefill"))
     print(prefill_table(res))
     for other in ("sdpa_flash_tflops", "sdpa_cudnn_tflops"):
         r = geomean_ratio(res, other)

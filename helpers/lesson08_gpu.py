@@ -8,22 +8,19 @@ a notebook runs ``from helpers import check``). The recorded results are ``bench
 """
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import torch
 
 from . import triton_mode
-from .results import RESULTS, fmt, load_results, results_label
+from .results import RESULTS, TRAINING, fmt, load_results, load_training, results_label, section_rows
+from .results import geomean_ratio as _geomean_ratio
 
 __all__ = ["NO_TRITON", "require_triton", "LOG2E", "reference_grads", "load_results", "load_training", "results_label", "backward_rows",
            "backward_table", "geomean_ratio", "plot_backward", "plot_training", "training_summary",
            "RESULTS", "TRAINING"]
 
 LOG2E = 1.4426950408889634
-ROOT = Path(__file__).resolve().parent.parent
-TRAINING = ROOT / "bench" / "results" / "train_gpt.json"
 
 
 def reference_grads(q, k, v, do, causal=False, sm_scale=None):
@@ -46,16 +43,8 @@ def reference_grads(q, k, v, do, causal=False, sm_scale=None):
 
 
 # ------------------------------------------------------------------ recorded results
-def load_training(path=TRAINING):
-    path = Path(path)
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def backward_rows(res, dtype=None, d=None, causal=None):
-    rows = [r for r in (res or {}).get("backward", [])
-            if (dtype is None or r["dtype"] == dtype) and (d is None or r["d"] == d)
-            and (causal is None or bool(r["causal"]) == bool(causal))]
-    return sorted(rows, key=lambda r: (r["dtype"], r["d"], bool(r["causal"]), r["N"]))
+    return section_rows(res, "backward", dtype, d, causal)
 
 
 _f = fmt
@@ -77,9 +66,7 @@ def backward_table(res) -> str:
 
 def geomean_ratio(res, other: str, min_N: int = 2048, **filters):
     """Geometric mean over backward rows with N >= min_N of triton_tflops / ``other`` (None if none)."""
-    logs = [math.log(r["triton_tflops"] / r[other]) for r in backward_rows(res, **filters)
-            if r["N"] >= min_N and r.get("triton_tflops") and r.get(other)]
-    return math.exp(sum(logs) / len(logs)) if logs else None
+    return _geomean_ratio(res, "backward", other, min_N, **filters)
 
 
 def plot_backward(res):

@@ -66,6 +66,8 @@ from multiprocessing.connection import wait as _wait_any
 
 import torch
 
+from .results import RING, load_gpu_results
+
 __all__ = ["run_ring", "launch", "RingError", "RankStats", "shard", "unshard", "chunks_of_rank",
            "check_layout", "chunk_attention", "merge_reference", "ring_schedule", "plot_schedule",
            "kv_bytes", "activation_bytes", "plot_memory", "step_times", "plot_overlap",
@@ -77,8 +79,7 @@ START_METHOD_ENV = "COURSE_RING_START"
 H200_HBM_BYTES = 141e9            # NVIDIA's datasheet (HBM3e)
 H200_BF16_FLOPS = 989e12          # dense BF16, datasheet
 NVLINK_BYTES_PER_S = 450e9        # NVLink 4 on an H200: 900 GB/s both directions, one direction here
-GPU_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "bench", "results", "ring_h200x2.json")
+GPU_RESULTS = str(RING)            # bench/results/ring_h200x2.json (helpers/results.py reads it)
 
 
 class RingError(RuntimeError):
@@ -831,15 +832,6 @@ def plot_overlap(Ns=(4096, 16384, 65536, 262144, 1048576), P=2, ax=None):
     ax.set_title(f"one ring step on H200s, P = {P} (model: 60% of 989 TFLOP/s, 450 GB/s)", fontsize=10)
     ax.legend(fontsize=8)
     return ax
-
-
-def load_gpu_results(path=GPU_RESULTS):
-    """The recorded two-GPU measurement (bench/ring_gpu.py's JSON), or None when none is recorded."""
-    import json
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def gpu_results_table(res) -> str:
