@@ -20,7 +20,6 @@ times fixed tile configurations of the dK/dV and dQ kernels, and atomic vs separ
 """
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -28,15 +27,17 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
+from common import (ERR_FLOOR, RESULTS_DIR, TIMING, bench_ms, gpu_stem, log, results_path, run_meta, sdpa_backends,  # noqa: E402
+                    why, within_sdpa_error, write_json, write_section)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention import sdpa_kernel  # noqa: E402
 
 import helpers.triton_attention_bwd as tb  # noqa: E402
+from helpers.results import geomean  # noqa: E402
 from helpers.triton_attention import LOG2E, flash_attn_triton  # noqa: E402
 from helpers.triton_attention_bwd import flash_attention  # noqa: E402
 
@@ -44,15 +45,6 @@ import torch._dynamo  # noqa: E402
 import torch._functorch.config  # noqa: E402
 torch._functorch.config.donated_buffer = False  # FlexAttention's backward is timed with retain_graph=True
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def bench_ms(fn, rep=60, grad_to_none=None):
-    return triton.testing.do_bench(fn, warmup=10, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
 def cases(quick):
@@ -87,7 +79,7 @@ def _warm_one(job):
             tbw._bwd_dq.warmup(q, k, v, do, lse2, delta, dk, N, N, 0, 0.1, 0.1, grid=(1,), **meta)
         return None
     except Exception as e:  # noqa: BLE001
-        return f"{job}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return f"{job}: {why(e, 200)}"
 
 
 def precompile(jobs):
@@ -150,9 +142,8 @@ def check_grads(q, k, v, do, causal, align="top_left"):
             e_t = (t[b, h].double() - r).abs().max().item()
             out[name] = (max(out.get(name, (0, 0))[0], e_m), max(out.get(name, (0, 0))[1], e_t))
     finite = all(bool(torch.isfinite(m).all()) for m in mine)
-    floor = 1e-5
-    ratio = max(e / max(s, floor) for e, s in out.values())
-    ok = finite and all(e <= 2 * s + floor for e, s in out.values())
+    ratio = max(e / max(s, ERR_FLOOR) for e, s in out.values())
+    ok = finite and all(within_sdpa_error(e, s) for e, s in out.values())
     return {"pass": ok, "err_ratio": round(ratio, 3),
             "grad_err": {k_: [float(f"{e:.3g}"), float(f"{s:.3g}")] for k_, (e, s) in out.items()}}
 
@@ -215,7 +206,7 @@ def time_backward(fwd, q, k, v, do):
 
 def sdpa_fwd(backend, causal):
     def fwd(q, k, v):
-        with sdpa_kernel(BACKENDS[backend]):
+        with sdpa_kernel(sdpa_backends()[backend]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return fwd
 
@@ -247,13 +238,13 @@ def run(quick, save=None, flex="some"):
             try:
                 row[f"sdpa_{name}_tflops"] = tf(time_backward(sdpa_fwd(name, causal), q, k, v, do))
             except Exception as e:
-                log(f"    sdpa {name} refused: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                log(f"    sdpa {name} refused: {why(e)}")
                 row[f"sdpa_{name}_tflops"] = None
         try:
             row["flex_tflops"] = (tf(time_backward(flex_fn(causal, N), q, k, v, do))
                                   if flex_wanted(flex, dtype, N) else None)
         except Exception as e:
-            log(f"    flex failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            log(f"    flex failed: {why(e, 160)}")
             row["flex_tflops"] = None
         log("  backward", json.dumps(row))
         rows.append(row)
@@ -308,10 +299,10 @@ def sweep():
                                     HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=bn, EVEN=True,
                                     num_warps=w, num_stages=s)
                             go()
-                            line[tag] = round(bench_ms(go, rep=40), 4)
+                            line[tag] = round(bench_ms(go), 4)
                         except Exception as e:
                             line[tag] = None
-                            log("   ", tag, type(e).__name__, str(e).splitlines()[0][:120] if str(e) else "")
+                            log("   ", tag, why(e, 120))
                 for cfg in SWEEP_DQ:
                     bm, bn, w, s = cfg
                     tag = f"dq_{bm}x{bn}_w{w}_s{s}"
@@ -321,10 +312,10 @@ def sweep():
                                 q, k, v, do, lse2, delta, dq, N, N, 0, sc * LOG2E, sc,
                                 HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)
                         go()
-                        line[tag] = round(bench_ms(go, rep=40), 4)
+                        line[tag] = round(bench_ms(go), 4)
                     except Exception as e:
                         line[tag] = None
-                        log("   ", tag, type(e).__name__, str(e).splitlines()[0][:120] if str(e) else "")
+                        log("   ", tag, why(e, 120))
                 zero_ms = bench_ms(lambda: dq32.zero_())
                 line["zero_dq32_ms"] = round(zero_ms, 4)
                 for name in ("flash", "cudnn"):
@@ -367,11 +358,6 @@ def flex_static_vs_dynamic():
 # ----------------------------------------------------------------------------- report
 
 
-def geomean(xs):
-    xs = [x for x in xs if x]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
 def summary(rows):
     lines = ["backward (TFLOP/s) dtype    d  causal     N   triton  flash  cudnn   flex  t/flash t/cudnn t/flex"
              "  err_ratio ok"]
@@ -382,7 +368,7 @@ def summary(rows):
                      f"{t / x if t and x else 0:>6.2f} {r.get('err_ratio', 0):>10.2f} {'ok' if r.get('pass') else 'FAIL'}")
     big = [r for r in rows if r["N"] >= 2048 and r.get("triton_tflops")]
     for other, target in (("sdpa_flash_tflops", 1.3), ("sdpa_cudnn_tflops", 0.8), ("flex_tflops", 1.0)):
-        g = geomean([r["triton_tflops"] / r[other] for r in big if r.get(other)])
+        g = geomean([r["triton_tflops"] / r[other] for r in big if r.get(other)]) or float("nan")
         lines.append(f"  geomean N>=2048 triton / {other[:-7]}: {g:.3f} (target {target})")
     lines.append(f"  backward correctness: {sum(bool(r.get('pass')) for r in rows)}/{len(rows)} pass")
     return "\n".join(lines)
@@ -417,7 +403,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="bf16 and three lengths only")
     ap.add_argument("--sweep", action="store_true", help="time fixed configurations instead (writes *_bwd_sweep.json)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--no-ragged", action="store_true")
     ap.add_argument("--flex-check", action="store_true", help="only FlexAttention dynamic vs static, one shape")
     ap.add_argument("--ragged-only", action="store_true", help="only the ragged correctness checks")
@@ -428,19 +414,17 @@ def main():
         sys.exit("bench_bwd.py needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name()
-    stem = gpu.lower().replace("nvidia", "").strip().replace(" ", "_") or "gpu"
+    stem = gpu_stem(gpu)
     t0 = time.time()
     log(f"{gpu} torch {torch.__version__} triton {triton.__version__}")
     if args.flex_check:
         fx = flex_static_vs_dynamic()
-        with open(os.path.join(args.out, f"{stem}_flex_check.json"), "w") as f:
-            json.dump(fx, f, indent=1)
+        write_json(os.path.join(args.out, f"{stem}_flex_check.json"), fx)
         return
     if args.sweep:
         res = sweep()
-        res.update(gpu=gpu, torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat())
-        with open(os.path.join(args.out, f"{stem}_bwd_sweep.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        res.update(run_meta(gpu))
+        write_json(os.path.join(args.out, f"{stem}_bwd_sweep.json"), res)
         log(f"sweep done in {time.time() - t0:.0f}s")
         return
     atomics = (False, True) if not args.no_ragged else (tb.DEFAULT_DQ_MODE == "atomic",)
@@ -451,31 +435,25 @@ def main():
     precompile(jobs)
     if args.ragged_only:
         rag = ragged_checks()
-        with open(os.path.join(args.out, f"{stem}_bwd_ragged.json"), "w") as f:
-            json.dump(rag, f, indent=1)
+        write_json(os.path.join(args.out, f"{stem}_bwd_ragged.json"), rag)
         log(f"ragged: {sum(r['separate'].get('pass', False) for r in rag)}/{len(rag)} separate, "
             f"{sum(r['atomic'].get('pass', False) for r in rag)}/{len(rag)} atomic pass")
         return
-    path = os.path.join(args.out, f"{stem}.json")
-    result = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            result = json.load(f)
-    result["backward_meta"] = {
-        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.date.today().isoformat(), "dq_mode": tb.DEFAULT_DQ_MODE,
-        "timing": "o.backward(do) alone, triton.testing.do_bench median, L2 flushed; "
-                  "FLOPs = 2.5 x 4*B*H*N^2*d, halved when causal",
-        "flex": "torch.compile(flex_attention, dynamic=False), recompile limit 256, causal through create_block_mask; "
-                f"rows: {args.flex} (some = bf16 at N 4096 and 16384; null elsewhere)",
-        "rule": "each gradient's max error vs float64 autograd (first and last head) <= 2 x SDPA's + 1e-5"}
+    path = results_path(gpu, args.out)
+    meta = run_meta(
+        gpu, dq_mode=tb.DEFAULT_DQ_MODE,
+        timing=f"o.backward(do) alone, {TIMING}; FLOPs = 2.5 x 4*B*H*N^2*d, halved when causal",
+        flex="torch.compile(flex_attention, dynamic=False), recompile limit 256, causal through create_block_mask; "
+             f"rows: {args.flex} (some = bf16 at N 4096 and 16384; null elsewhere)",
+        rule="each gradient's max error vs float64 autograd (first and last head) <= 2 x SDPA's + 1e-5")
+    extra = {}  # measured in this run too; without --no-ragged the file's earlier ragged rows stay
     if not args.no_ragged:
-        result["backward_ragged"] = ragged_checks()
+        extra["backward_ragged"] = ragged_checks()
         log(f"ragged checks done at {time.time() - t0:.0f}s")
+    result = {}
+
     def save(rows):  # after every row: a run cut short keeps what it measured
-        result["backward"] = rows
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        result.update(write_section("backward", rows, meta, path, extra))
 
     save(run(args.quick, save, args.flex))
     try:
