@@ -19,12 +19,11 @@ compare the time to do the same useful work:
   (B sequences of round(mean_len) keys, [B, Hkv, L, d]), the work a perfectly balanced batch needs.
 Every row is checked first: the Triton output against float64 attention on each sequence alone must be
 within 2x SDPA's own error (same dtype, each sequence alone) + 1e-5, and finite.
-Timing: triton.testing.do_bench (median, L2 flushed); triton_graph_gbs also with
+Timing: bench/common.py's policy, triton.testing.do_bench (median, L2 flushed); triton_graph_gbs also with
 triton.testing.do_bench_cudagraph (no Python in the timed loop). A short table is printed last.
 """
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -32,11 +31,12 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 if "--smoke" in sys.argv[1:]:  # before Triton is imported: the interpreter, on the CPU
     os.environ["TRITON_INTERPRET"] = "1"
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
+from common import (TIMING, GRAPH_TIMING, bench_ms, graph_ms, log, results_path, run_meta, sdpa_ms,  # noqa: E402
+                    within_sdpa_error, write_section)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -47,10 +47,6 @@ import helpers.triton_attention as ta  # noqa: E402
 
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 BLOCK_SIZES = (16, 32, 64, 128, 256)
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -119,49 +115,20 @@ def check(q, k, v, lens, o_tri):
         o_sdpa = F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)
         tri_err = max(tri_err, (o_tri[b].transpose(0, 1).double() - ref).abs().max().item())
         sdpa_err = max(sdpa_err, (o_sdpa.double() - ref).abs().max().item())
-    ok = bool(torch.isfinite(o_tri).all()) and tri_err <= 2 * sdpa_err + 1e-5
+    ok = bool(torch.isfinite(o_tri).all()) and within_sdpa_error(tri_err, sdpa_err)
     return {"pass": ok, "err": tri_err, "sdpa_err": sdpa_err}
 
 
 # ----------------------------------------------------------------------------- timing
 
 
-def time_ms(fn, smoke):
-    if smoke:  # the interpreter: a wall-clock figure that only shows the path runs
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def graph_ms(fn, smoke):
-    if smoke:
-        return None
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    except Exception as e:
-        log(f"    graph timing failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
-        torch.cuda.synchronize()
-        return None
-
-
 def sdpa_cudnn_ms(B, H, Hkv, d, L, dtype, device, smoke):
     """SDPA's cuDNN backend on an equal-length batch [B, Hkv, L, d] (None if it refuses or on the CPU)."""
     if smoke:
         return None
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     q = torch.randn(B, H, 1, d, device=device, dtype=dtype)
     k, v = (torch.randn(B, Hkv, L, d, device=device, dtype=dtype) for _ in range(2))
-    fn = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hkv)  # noqa: E731
-    try:
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            fn()
-            torch.cuda.synchronize()
-            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    except Exception as e:
-        log(f"    sdpa cudnn refused: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
-        torch.cuda.synchronize()
-        return None
+    return sdpa_ms("cudnn", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hkv))
 
 
 def gbs(nbytes, ms):
@@ -192,7 +159,7 @@ def run_paged(smoke, quick, save=None):
         nbytes = 2 * sum(lens) * Hkv * d * k.element_size()  # valid K and V bytes
         contig = lambda: flash_attn_with_kvcache_triton(q, k, v, seqlens)  # noqa: E731
         contig_ok = check(q, k, v, lens, contig())
-        contig_gbs = gbs(nbytes, time_ms(contig, smoke))
+        contig_gbs = gbs(nbytes, bench_ms(contig, smoke=smoke))
         L_eq = round(sum(lens) / B)
         cudnn_gbs = gbs(2 * B * L_eq * Hkv * d * k.element_size(), sdpa_cudnn_ms(B, H, Hkv, d, L_eq, DT[dtype],
                                                                                  device, smoke))
@@ -206,12 +173,12 @@ def run_paged(smoke, quick, save=None):
                 kp, vp, table = paged_cache(k, v, lens, bs, seed + bs)
                 paged = lambda: flash_attn_with_kvcache_triton(q, kp, vp, seqlens, block_table=table)  # noqa: E731
                 row.update(check(q, k, v, lens, paged()))
-                row["triton_gbs"] = gbs(nbytes, time_ms(paged, smoke))
-                row["triton_graph_gbs"] = gbs(nbytes, graph_ms(paged, smoke))
+                row["triton_gbs"] = gbs(nbytes, bench_ms(paged, smoke=smoke))
+                row["triton_graph_gbs"] = gbs(nbytes, graph_ms(paged, smoke=smoke))
                 # ragged lengths make programs of unequal length: how other split counts fare (data for the heuristic)
                 row["splits_sweep_gbs"] = {
-                    str(S): gbs(nbytes, time_ms(lambda: flash_attn_with_kvcache_triton(
-                        q, kp, vp, seqlens, block_table=table, num_splits=S), smoke))
+                    str(S): gbs(nbytes, bench_ms(lambda: flash_attn_with_kvcache_triton(
+                        q, kp, vp, seqlens, block_table=table, num_splits=S), smoke=smoke))
                     for S in sorted({max(1, auto // 2), 2 * auto, 4 * auto} - {auto})[:1 if smoke else 3]}
                 del kp, vp, table
             except Exception:
@@ -241,18 +208,6 @@ def summary(rows):
     return "\n".join(lines)
 
 
-def merge_into(path, updates):
-    """Write updates' keys into the JSON at path, keeping every other key."""
-    data = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-    data.update(updates)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under Triton's interpreter")
@@ -264,20 +219,15 @@ def main(argv=None):
     if args.smoke and not ta.interpreting():
         sys.exit("--smoke runs under Triton's interpreter: set TRITON_INTERPRET=1 before Triton is imported")
     gpu = "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name()
-    out = args.out
-    if out is None:
-        stem = gpu.lower().replace("nvidia", "").strip().replace(" ", "_") or "gpu"
-        out = os.path.join(ROOT, "bench", "results", f"{stem}.json")
+    out = args.out or results_path(gpu)
     t0 = time.time()
     log(f"{gpu} torch {torch.__version__} triton {triton.__version__}")
-    meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.date.today().isoformat(),
-            "timing": "triton.testing.do_bench median, L2 flushed; triton_graph_gbs: do_bench_cudagraph median",
-            "gbs": "valid K and V bytes (sum of lengths) / time, for every column",
-            "sdpa_cudnn": "equal-length batch with the same total tokens (B x round(mean of the lengths))",
-            "correctness": "Triton vs float64 per sequence <= 2 x SDPA's own error + 1e-5"}
-    rows = run_paged(args.smoke, args.quick, save=lambda rows: merge_into(out, {"paged": rows, "paged_meta": meta}))
-    merge_into(out, {"paged": rows, "paged_meta": meta})
+    meta = run_meta(gpu, timing=f"{TIMING}; triton_graph_gbs: {GRAPH_TIMING}",
+                    gbs="valid K and V bytes (sum of lengths) / time, for every column",
+                    sdpa_cudnn="equal-length batch with the same total tokens (B x round(mean of the lengths))",
+                    correctness="Triton vs float64 per sequence <= 2 x SDPA's own error + 1e-5")
+    rows = run_paged(args.smoke, args.quick, save=lambda rows: write_section("paged", rows, meta, out))
+    write_section("paged", rows, meta, out)
     log(f"done in {time.time() - t0:.0f}s; wrote 'paged' into {out}")
     log(summary(rows))
     return rows

@@ -21,8 +21,8 @@ Useful FLOPs only: 4 * H * d * (visible (query, key) pairs), summed over the rea
 n (n + 1) / 2 pairs for a sequence of n tokens); the dense row counts its own batch's pairs, the padded
 SDPA row the same useful FLOPs as the varlen row. Correctness first: the first two, the last two and the
 longest sequence of each case against SDPA in float64 on that sequence alone (chunks of rows, explicit
-mask), max error at most twice SDPA's own in the same dtype, plus 1e-5. Timing: triton.testing.do_bench,
-median, L2 flushed. Merges its rows into FILE (default bench/results/<gpu>.json) under "varlen" and
+mask), max error at most twice SDPA's own in the same dtype, plus 1e-5. Timing: bench/common.py's policy,
+triton.testing.do_bench median, L2 flushed. Merges its rows into FILE (default bench/results/<gpu>.json) under "varlen" and
 "varlen_meta", leaving every other key as it was; prints a short table last.
 
 --smoke: tiny sizes, fp32 under Triton's interpreter on the CPU (TRITON_INTERPRET=1, set here when there
@@ -30,16 +30,15 @@ is no GPU): the script's own test, not a measurement.
 """
 
 import argparse
-import datetime
 import json
 import os
 import random
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
+from common import (TIMING, bench_ms, log, results_path, run_meta, sdpa_ms, within_sdpa_error,  # noqa: E402
+                    write_section)
 
 import torch  # noqa: E402
 
@@ -48,22 +47,16 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from helpers.triton_attention import flash_attn_triton  # noqa: E402
 from helpers.triton_varlen import flash_attn_varlen_triton, varlen_block_m, varlen_block_map  # noqa: E402
 
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 # The dense kernel's autotuner chose these on the H200 for N >= 2048 in nearly every row of
 # bench/results/h200.json (prefill); fixed here to keep the script's compile time inside its budget.
 DENSE_CONFIG = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                 128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)}
 BUDGET_S = 220  # stop starting new rows after this (the whole script must stay under 4 minutes)
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------- lengths and FLOPs
@@ -143,19 +136,11 @@ def check(q, k, v, cu, lens, causal, o):
         tri_err = max(tri_err, (o[r].double() - ref).abs().max().item())
         sdpa_err = max(sdpa_err, (lp[0].transpose(0, 1).double() - ref).abs().max().item())
     finite = bool(torch.isfinite(o).all())
-    ok = finite and tri_err <= 2 * sdpa_err + 1e-5
+    ok = finite and within_sdpa_error(tri_err, sdpa_err)
     return ok, tri_err, sdpa_err
 
 
 # ----------------------------------------------------------------------------- timing
-
-
-def bench_ms(fn, smoke):
-    if smoke:  # the interpreter on a CPU: one run, wall clock (a check that the path runs, not a figure)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
 def pad(x, cu, lens, L):
@@ -172,19 +157,11 @@ def sdpa_padded_ms(qp, kp, vp, causal, smoke):
         return F.scaled_dot_product_attention(qp, kp, vp, is_causal=causal)
 
     if smoke:
-        return bench_ms(fn, smoke), "default"
+        return bench_ms(fn, smoke=smoke), "default"
     best = (None, None)
-    for name, backend in SDPA_BACKENDS.items():
-        try:
-            with sdpa_kernel(backend):
-                fn()
-                torch.cuda.synchronize()
-                ms = bench_ms(fn, smoke)
-        except Exception as e:  # noqa: BLE001 - a backend that refuses this case is skipped
-            log(f"    sdpa {name} refused: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
-            torch.cuda.synchronize()
-            continue
-        if best[0] is None or ms < best[0]:
+    for name in ("cudnn", "flash"):
+        ms = sdpa_ms(name, fn)  # None: the backend refused this case, skipped
+        if ms is not None and (best[0] is None or ms < best[0]):
             best = (ms, name)
     return best
 
@@ -234,12 +211,12 @@ def run_row(dtype, d, causal, H, Hkv, mix, total, device, smoke, tune_dense):
     row["err_ratio"] = round(err / max(sdpa_err, 1e-12), 3)
     detail.update({"pass": ok, "err": err, "sdpa_err": sdpa_err})
     del o
-    ms = t_first if smoke else bench_ms(varlen, smoke)  # smoke: the interpreter is slow, one call is enough
+    ms = t_first if smoke else bench_ms(varlen)  # smoke: the interpreter is slow, one call is enough
     row["triton_tflops"] = round(flops / ms / 1e9, 1)
     if not smoke:  # the map built once per batch and shared by the layers: what the map costs per call
         premade = varlen_block_map(cu, varlen_block_m(d), total_q=total)
         ms = bench_ms(lambda: flash_attn_varlen_triton(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
-                                                       validate=False, block_map=premade), smoke)
+                                                       validate=False, block_map=premade))
         detail["triton_premapped_tflops"] = round(flops / ms / 1e9, 1)
 
     # the dense kernel on equal lengths, same total tokens
@@ -250,7 +227,7 @@ def run_row(dtype, d, causal, H, Hkv, mix, total, device, smoke, tune_dense):
     kd = torch.randn(Bd, Hkv, L, d, device=device, dtype=dt, generator=g)  # [B', Hkv, L, d]
     vd = torch.randn(Bd, Hkv, L, d, device=device, dtype=dt, generator=g)
     cfg = None if (tune_dense or smoke) else DENSE_CONFIG.get(d)
-    ms = bench_ms(lambda: flash_attn_triton(qd, kd, vd, causal=causal, config=cfg), smoke)
+    ms = bench_ms(lambda: flash_attn_triton(qd, kd, vd, causal=causal, config=cfg), smoke=smoke)
     row["dense_triton_tflops"] = round(useful_flops([L] * Bd, H, d, causal) / ms / 1e9, 1)
     detail["dense_shape"] = [Bd, H, L, d]
 
@@ -264,22 +241,6 @@ def run_row(dtype, d, causal, H, Hkv, mix, total, device, smoke, tune_dense):
     detail["sdpa_backend"] = backend
     detail["padding_fraction"] = round(1 - total / (len(lens) * Lp), 3)  # of the padded batch's query rows
     return row, detail
-
-
-def merge(path, rows, meta):
-    data = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-        if not isinstance(data, dict):
-            raise SystemExit(f"{path} does not hold a JSON object; not touching it")
-    data["varlen"] = rows
-    data["varlen_meta"] = meta
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def table(rows):
@@ -310,10 +271,7 @@ def main(argv=None):
         raise SystemExit("--smoke is the CPU interpreter run; on a GPU machine run without it")
     device = "cuda" if on_gpu else "cpu"
     gpu = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter smoke run)"
-    path = args.out
-    if path is None:
-        stem = gpu.lower().replace("nvidia", "").strip().replace(" ", "_") or "gpu"
-        path = os.path.join(ROOT, "bench", "results", f"{stem}.json")
+    path = args.out or results_path(gpu)
     total = 96 if args.smoke else 32768
     t0 = time.time()
     log(f"{gpu} torch {torch.__version__} triton {triton.__version__}; varlen rows into {path}")
@@ -334,9 +292,8 @@ def main(argv=None):
         if on_gpu:
             torch.cuda.empty_cache()
     meta = {
-        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.date.today().isoformat(),
-        "timing": "triton.testing.do_bench median (warmup 10 ms, rep 50 ms), L2 flushed",
+        **run_meta(gpu),
+        "timing": TIMING,
         "flops": "useful only: 4*H*d*visible (query, key) pairs summed over real sequences (causal: n(n+1)/2)",
         "varlen": "flash_attn_varlen_triton, validate=False (no host sync), the block map built in every call "
                   "(details: triton_premapped_tflops, the map passed in); autotuned BLOCK_N, warps, stages",
@@ -351,7 +308,7 @@ def main(argv=None):
         "seconds": round(time.time() - t0, 1),
         "skipped_for_time": skipped,
     }
-    merge(path, rows, meta)
+    write_section("varlen", rows, meta, path)
     log(f"done in {meta['seconds']}s; wrote {len(rows)} rows to {path}" + (f"; skipped {skipped}" if skipped else ""))
     log(table(rows))
     return rows
