@@ -28,16 +28,14 @@ import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
+from common import log, write_json  # noqa: E402  (common puts the repository root on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 RECORD = ROOT / "bench" / "results" / "check_gpu.json"
 KERNEL_TESTS = ["tests/test_triton_kernels.py", "tests/test_triton_bwd.py", "tests/test_triton_varlen.py",
                 "tests/test_triton_kvcache.py", "tests/test_lesson07.py", "tests/test_lesson08_gpu.py",
                 "tests/test_triton_mode.py"]
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 def machine() -> dict:
@@ -123,13 +121,10 @@ def run_notebook(path: Path) -> dict:
 
 
 def save(record: dict) -> None:
-    text = json.dumps(record, indent=1, ensure_ascii=False) + "\n"
-    RECORD.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RECORD.with_suffix(".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(RECORD)
+    """The record, atomically, to bench/results/check_gpu.json and (when set) $OUT."""
+    write_json(str(RECORD), record)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], RECORD.name).write_text(text, encoding="utf-8")
+        write_json(os.path.join(os.environ["OUT"], RECORD.name), record)
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -35,7 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
+from common import log as _log, run_meta, write_json  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- per-chunk kernel
@@ -205,7 +205,7 @@ def run(a):
     Ns = [int(x) for x in a.Ns.split(",")] if a.Ns else ([65536, 131072, 262144, 524288] if cuda else [256, 512])
     warmup, reps = (2, a.reps or 5) if cuda else (1, a.reps or 3)
     B = 1
-    log = (lambda *x: print(*x, flush=True)) if rank == 0 else (lambda *x: None)
+    log = _log if rank == 0 else (lambda *x: None)
     log(f"world {P}, {'NCCL on ' + torch.cuda.get_device_name(device) if cuda else 'gloo on CPU'}, "
         f"torch {torch.__version__}, B={B} H={H} d={d} {str(dtype).replace('torch.', '')}")
 
@@ -300,20 +300,12 @@ def run(a):
                 torch.cuda.empty_cache()
 
     if rank == 0:
-        try:
-            import triton
-            triton_version = triton.__version__
-        except ImportError:
-            triton_version = None
-        meta = {"gpus": P, "gpu": torch.cuda.get_device_name(device) if cuda else "CPU (gloo)",
-                "backend": "nccl" if cuda else "gloo", "torch": torch.__version__, "triton": triton_version,
-                "date": datetime.date.today().isoformat(), "kernel": "flash_attn_triton" if cuda else "torch fallback",
+        meta = {"gpus": P, **run_meta(torch.cuda.get_device_name(device) if cuda else "CPU (gloo)"),
+                "backend": "nccl" if cuda else "gloo", "kernel": "flash_attn_triton" if cuda else "torch fallback",
                 "timing": f"median of {reps} calls after {warmup} warm-up (N >= 512k: 3 after 1), wall clock, "
                           "slowest rank",
                 "checks": checks, "skipped_for_time": skipped, "seconds": round(time.perf_counter() - t_begin, 1)}
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w", encoding="utf-8") as f:
-            json.dump({"meta": meta, "ring": rows}, f, indent=1)
+        write_json(a.out, {"meta": meta, "ring": rows})
         print(f"\n{'layout':10s} {'overlap':>7s} {'N':>7s} {'ring ms':>9s} {'1-GPU ms':>9s} {'speedup':>8s} {'GiB':>6s}")
         for r in rows:
             print(f"{r['layout']:10s} {str(r['overlap']):>7s} {r['N']:>7d} {r['ms']:>9.2f} "

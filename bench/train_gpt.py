@@ -13,18 +13,17 @@ tokens per second, settings, versions) and <out>/train_gpt.png (both loss curves
 """
 
 import argparse
-import datetime
 import json
 import math
 import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
+from common import RESULTS_DIR, ROOT, TIMING, bench_ms, log, run_meta, write_json  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -154,14 +153,13 @@ def train(attn, cfg, data, val, device, dtype, seed=1234):
             vals.append([step + 1, evaluate()])
             if t_start is not None:
                 t_start = time.perf_counter()
-            print(f"  {attn:>5} step {step + 1:>4} loss {losses[-1]:.4f} val {vals[-1][1]:.4f}", flush=True)
+            log(f"  {attn:>5} step {step + 1:>4} loss {losses[-1]:.4f} val {vals[-1][1]:.4f}")
     return {"loss": [round(v, 5) for v in losses], "val": [[s, round(v, 5)] for s, v in vals],
             "tokens_per_s": round(timed_tokens / train_s, 1), "timed_steps": cfg["steps"] - skip}
 
 
 def attention_ms(cfg, dtype):
     """ms of one layer's attention, forward alone and forward + backward, at the training shape (CUDA)."""
-    import triton
     B, H, T = cfg["batch"], cfg["n_head"], cfg["T"]
     d = cfg["d_model"] // H
     q, k, v, do = (torch.randn(B, H, T, d, device="cuda", dtype=dtype) for _ in range(4))
@@ -169,9 +167,8 @@ def attention_ms(cfg, dtype):
     out = {}
     for name, fn in (("flash", lambda: flash_attention(q, k, v, causal=True)),
                      ("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))):
-        fwd = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-        both = triton.testing.do_bench(lambda: fn().backward(do), warmup=10, rep=50, grad_to_none=[q, k, v],
-                                       return_mode="median")
+        fwd = bench_ms(fn)
+        both = bench_ms(lambda: fn().backward(do), grad_to_none=[q, k, v])
         out[name] = {"fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(both, 4)}
     return out
 
@@ -202,7 +199,7 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="run on the CPU under TRITON_INTERPRET=1 (fp32)")
     ap.add_argument("--tiny", action="store_true", help="the tiny configuration (1 layer, T = 16, 2 steps)")
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -214,27 +211,26 @@ def main():
     raw = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
     cut = int(0.9 * len(raw))
     data, val = raw[:cut], raw[cut:]
-    import triton
+    meta = run_meta(torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)")
     res = {"config": cfg, "dtype": str(dtype).replace("torch.", ""), "device": device,
-           "device_name": torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)",
-           "torch": torch.__version__, "triton": triton.__version__, "date": datetime.date.today().isoformat(),
+           "device_name": meta["gpu"], "torch": meta["torch"], "triton": meta["triton"], "date": meta["date"],
            "corpus_bytes": len(raw), "runs": {}}
     for attn in ("flash", "sdpa"):
         res["runs"][attn] = train(attn, cfg, data, val, device, dtype)
-        print(f"{attn}: final loss {res['runs'][attn]['loss'][-1]:.4f}, "
-              f"{res['runs'][attn]['tokens_per_s']:.0f} tokens/s", flush=True)
+        log(f"{attn}: final loss {res['runs'][attn]['loss'][-1]:.4f}, "
+              f"{res['runs'][attn]['tokens_per_s']:.0f} tokens/s")
     if device == "cuda":
         res["attention_ms_one_layer"] = attention_ms(cfg, dtype)
-        print("attention, one layer at the training shape:", res["attention_ms_one_layer"], flush=True)
+        log("attention, one layer at the training shape:", res["attention_ms_one_layer"])
     a, b = res["runs"]["flash"]["loss"], res["runs"]["sdpa"]["loss"]
     res["max_loss_diff"] = round(max(abs(x - y) for x, y in zip(a, b)), 6)
     res["speedup_tokens_per_s"] = round(res["runs"]["flash"]["tokens_per_s"] / res["runs"]["sdpa"]["tokens_per_s"], 3)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "train_gpt.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    if device == "cuda":
+        res["attention_timing"] = TIMING
+    write_json(os.path.join(args.out, "train_gpt.json"), res)
     plot(res, os.path.join(args.out, "train_gpt.png"))
-    print(f"max |loss_flash - loss_sdpa| over steps: {res['max_loss_diff']}; tokens/s ratio flash/sdpa: "
-          f"{res['speedup_tokens_per_s']}", flush=True)
+    log(f"max |loss_flash - loss_sdpa| over steps: {res['max_loss_diff']}; tokens/s ratio flash/sdpa: "
+          f"{res['speedup_tokens_per_s']}")
 
 
 if __name__ == "__main__":
