@@ -34,6 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention import sdpa_kernel  # noqa: E402
 
+from helpers.results import geomean  # noqa: E402
 from helpers.triton_attention import flash_attn_triton, flash_decode_triton  # noqa: E402
 import helpers.triton_attention as ta  # noqa: E402
 
@@ -285,11 +286,6 @@ def explore():
 # ----------------------------------------------------------------------------- report
 
 
-def geomean(xs):
-    xs = [x for x in xs if x]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
 def section_meta(result, section):
     """A section's meta (GPU, versions, date, ceilings): its own ``<section>_meta``, else the file's top level
     (files written before each section carried one)."""
@@ -311,9 +307,9 @@ def summary(result):
                            ("bfloat16", [r for r in big if r["dtype"] == "bfloat16"])):
             if sel:
                 gf = geomean([r["triton_tflops"] / r["sdpa_flash_tflops"] for r in sel
-                              if r.get("triton_tflops") and r.get("sdpa_flash_tflops")])
+                              if r.get("triton_tflops") and r.get("sdpa_flash_tflops")]) or float("nan")
                 gc = geomean([r["triton_tflops"] / r["sdpa_cudnn_tflops"] for r in sel
-                              if r.get("triton_tflops") and r.get("sdpa_cudnn_tflops")])
+                              if r.get("triton_tflops") and r.get("sdpa_cudnn_tflops")]) or float("nan")
                 lines.append(f"  geomean N>=2048 {label:>8}: {gf:.3f}x flash (target 1.3), "
                              f"{gc:.3f}x cuDNN (target 0.9)")
         lines.append(f"  prefill correctness: {sum(bool(r.get('pass')) for r in pre)}/{len(pre)} pass")

@@ -1,4 +1,5 @@
-"""The GPU benchmark scripts run end to end on tiny sizes under Triton's interpreter (--smoke).
+"""The GPU benchmark scripts run end to end on tiny sizes under Triton's interpreter (--smoke), and
+their shared pieces (bench/common.py) do what the scripts rely on.
 
 Not a measurement: it proves the script's paths (lengths, the float64 check, the three timed calls,
 the JSON merge that keeps every other key) run and write rows with the keys `make bench` promises.
@@ -7,6 +8,7 @@ the JSON merge that keeps every other key) run and write rows with the keys `mak
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -77,3 +79,73 @@ def test_bench_kvcache_smoke_merges_rows(tmp_path):
         assert r["err"] <= 2 * r["sdpa_err"] + 1e-5
         assert sum(r["lengths"]) == r["B"] * r["mean_len"]
     assert {"gpu", "torch", "triton", "date"} <= set(data["paged_meta"])
+
+
+# ----------------------------------------------------------------------------- bench/common.py
+
+
+def test_write_section_keeps_every_other_section_and_its_meta(tmp_path):
+    common = _load("common")
+    path = tmp_path / "gpu.json"
+    before = {"gpu": "top", "prefill": [{"N": 1}], "backward": [{"N": 2}], "backward_meta": {"gpu": "B", "date": "1"}}
+    path.write_text(json.dumps(before))
+    data = common.write_section("paged", [{"x": 1}], {"gpu": "P", "date": "2"}, str(path), extra={"paged_note": 3})
+    on_disk = json.loads(path.read_text())
+    assert on_disk == data == {**before, "paged": [{"x": 1}], "paged_meta": {"gpu": "P", "date": "2"}, "paged_note": 3}
+    common.write_section("backward", [{"N": 4}], {"gpu": "B2"}, str(path))
+    on_disk = json.loads(path.read_text())
+    assert on_disk["backward"] == [{"N": 4}] and on_disk["backward_meta"] == {"gpu": "B2"}
+    assert on_disk["paged_meta"] == {"gpu": "P", "date": "2"} and on_disk["gpu"] == "top", "another run's label changed"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.json"], "a temporary file was left behind"
+
+
+def test_write_section_refuses_a_file_that_is_not_an_object(tmp_path):
+    common = _load("common")
+    path = tmp_path / "gpu.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(SystemExit):
+        common.write_section("paged", [], {}, str(path))
+    assert path.read_text() == "[1, 2]"
+
+
+def test_the_2x_sdpa_rule_and_the_results_file_name():
+    common = _load("common")
+    assert common.within_sdpa_error(2e-3, 1e-3) and common.within_sdpa_error(2e-3 + 1e-5, 1e-3)
+    assert not common.within_sdpa_error(2.1e-3, 1e-3)
+    assert common.within_sdpa_error(1e-5, 0.0) and not common.within_sdpa_error(2e-5, 0.0)
+    assert os.path.basename(common.results_path("NVIDIA H200")) == "h200.json"
+    assert os.path.basename(common.results_path("NVIDIA H200", prefix="paths_")) == "paths_h200.json"
+
+
+def test_check_prefill_passes_sdpa_itself_and_rejects_an_offset():
+    common = _load("common")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 64, 16, generator=g) for _ in range(3))
+    for causal in (False, True):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        s = q @ k.transpose(-1, -2) / 4
+        if causal:
+            s = s.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        assert common.check_prefill(q, k, v, causal, o, lse)["pass"]
+        assert not common.check_prefill(q, k, v, causal, o + 1e-2, lse)["pass"]
+        assert not common.check_prefill(q, k, v, causal, o, lse + 1e-2)["pass"]
+
+
+BENCH = os.path.join(ROOT, "bench")
+# compile_decode_sm90.py only compiles and prints what the compiler made: no timing, no results file
+SCRIPTS = sorted(f for f in os.listdir(BENCH) if f.endswith(".py") and f not in ("common.py", "compile_decode_sm90.py"))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_each_script_takes_the_shared_pieces_from_common(name):
+    """One copy of each: log, the timing helper, the 2x-SDPA rule, the results writer (issue 22)."""
+    src = open(os.path.join(BENCH, name), encoding="utf-8").read()
+    assert "from common import" in src, f"{name} does not use bench/common.py"
+    # (ring_gpu.py's time_ms is another mechanism: wall clock of the slowest of several ranks, not do_bench)
+    for pattern, what in ((r"^def (log|bench_ms|graph_ms|sdpa_ms)\(", "a timing or log helper of its own"),
+                          (r"2 \* \w*sdpa_err\w* \+", "its own copy of the 2x-SDPA rule"),
+                          (r"json\.dump\(", "its own JSON writer (write_json / write_section are atomic)"),
+                          (r"from bench import|import bench\b", "bench.py imported as a module (it shadows bench/)")):
+        found = re.findall(pattern, src, flags=re.M)
+        assert not found, f"{name}: {what}: {found}"

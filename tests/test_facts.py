@@ -39,15 +39,21 @@ def test_lesson07_timing_asks_do_bench_for_the_median(monkeypatch):
 
 
 def test_bench_script_asks_for_the_median_everywhere():
-    """bench/bench.py (the committed figures) and the notebook's helper use the same statistic."""
+    """Every bench script (the committed figures) and the notebook's helper use the same statistic: each
+    do_bench call under bench/ asks for the median, and the scripts time through bench/common.py's one helper."""
     from pathlib import Path
     import re
 
-    src = (Path(__file__).resolve().parent.parent / "bench" / "bench.py").read_text()
-    calls = re.findall(r"do_bench(?:_cudagraph)?\((?:[^()]|\([^()]*\))*\)", src)
-    assert calls, "bench.py no longer calls do_bench"
-    for call in calls:
-        assert 'return_mode="median"' in call, call
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    callers = {}
+    for path in sorted(bench.glob("*.py")):
+        calls = re.findall(r"do_bench(?:_cudagraph)?\((?:[^()]|\([^()]*\))*\)", path.read_text())
+        for call in calls:
+            assert 'return_mode="median"' in call, (path.name, call)
+        if calls:
+            callers[path.name] = len(calls)
+    assert "common.py" in callers, "bench/common.py no longer calls do_bench"
+    assert set(callers) == {"common.py"}, f"time through common.bench_ms / graph_ms, not do_bench directly: {callers}"
 
 
 # --------------------------------------------------------------------------- items 4 and 6: decode intensity
