@@ -26,8 +26,9 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
-from common import (RESULTS_DIR, TIMING, GRAPH_TIMING, bench_ms, check_prefill, graph_ms, log,  # noqa: E402
-                    results_path, run_meta, sdpa_backends, sdpa_ms, within_sdpa_error, write_json, write_section)
+from common import (GRAPH_TIMING, RESULTS_DIR, TIMING, bench_ms, check_prefill, graph_ms, log,  # noqa: E402
+                    results_path, run_meta, save_figure, sdpa_backends, sdpa_ms, subplots, within_sdpa_error,
+                    write_json, write_section)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -337,17 +338,14 @@ def summary(result):
     meta = section_meta(result, "decode" if dec and not pre else "prefill")
     if "ceilings" in meta:
         lines.append(f"ceilings: {meta['ceilings']}")
-    launch = section_meta(result, "decode").get("launch_cost_us")
+    launch = section_meta(result, "decode").get("launch_cost_us") or result.get("launch_cost_us")
     if launch:
         lines.append(f"launch cost, us per call: {launch}")
     return "\n".join(lines)
 
 
 def plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, axes = subplots(1, 2, figsize=(13, 4.8))
     ax = axes[0]
     pre = [r for r in result.get("prefill", []) if r["dtype"] == "bfloat16"]
     colors = {(64, False): "C0", (64, True): "C1", (128, False): "C2", (128, True): "C3"}
@@ -362,7 +360,8 @@ def plot(result, path):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length N")
     ax.set_ylabel("TFLOP/s (forward, bf16)")
-    ax.set_title(f"Prefill on {section_meta(result, 'prefill').get('gpu', '?')}: solid Triton, dashed cuDNN, dotted flash")
+    gpu = section_meta(result, "prefill").get("gpu", "?")
+    ax.set_title(f"Prefill on {gpu}: solid Triton, dashed cuDNN, dotted flash")
     ax.legend(fontsize=6, ncol=2)
     ax = axes[1]
     dec = [r for r in result.get("decode", []) if r["dtype"] == "bfloat16"]
@@ -379,8 +378,7 @@ def plot(result, path):
     ax.set_ylabel("TB/s (K and V read once)")
     ax.set_title("Decode, bf16, d=128")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main():

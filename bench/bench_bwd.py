@@ -28,8 +28,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
-from common import (ERR_FLOOR, RESULTS_DIR, TIMING, bench_ms, gpu_stem, log, results_path, run_meta, sdpa_backends,  # noqa: E402
-                    why, within_sdpa_error, write_json, write_section)
+from common import (ERR_FLOOR, RESULTS_DIR, TIMING, bench_ms, gpu_stem, log, results_path, run_meta,  # noqa: E402
+                    save_figure, sdpa_backends, subplots, why, within_sdpa_error, write_json, write_section)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -375,11 +375,8 @@ def summary(rows):
 
 
 def plot(result, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     rows = [r for r in result["backward"] if r["dtype"] == "bfloat16"]
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.8), sharey=True)
+    fig, axes = subplots(1, 4, figsize=(15, 3.8), sharey=True)
     for ax, (d, causal) in zip(axes, ((64, False), (64, True), (128, False), (128, True))):
         sel = sorted((r for r in rows if r["d"] == d and r["causal"] == causal), key=lambda r: r["N"])
         for key, style, label in (("triton_tflops", "-o", "Triton (course)"), ("sdpa_flash_tflops", "--s", "SDPA flash"),
@@ -395,8 +392,7 @@ def plot(result, path):
     meta = result["backward_meta"]
     fig.suptitle(f"backward on {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · {meta['date']}",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main():

@@ -22,8 +22,8 @@ n (n + 1) / 2 pairs for a sequence of n tokens); the dense row counts its own ba
 SDPA row the same useful FLOPs as the varlen row. Correctness first: the first two, the last two and the
 longest sequence of each case against SDPA in float64 on that sequence alone (chunks of rows, explicit
 mask), max error at most twice SDPA's own in the same dtype, plus 1e-5. Timing: bench/common.py's policy,
-triton.testing.do_bench median, L2 flushed. Merges its rows into FILE (default bench/results/<gpu>.json) under "varlen" and
-"varlen_meta", leaving every other key as it was; prints a short table last.
+triton.testing.do_bench median, L2 flushed. Merges its rows into FILE (default bench/results/<gpu>.json)
+under "varlen" and "varlen_meta", leaving every other key as it was; prints a short table last.
 
 --smoke: tiny sizes, fp32 under Triton's interpreter on the CPU (TRITON_INTERPRET=1, set here when there
 is no GPU): the script's own test, not a measurement.

@@ -1,5 +1,6 @@
 """What the bench scripts share: `log`, one timing policy, SDPA-backend timing, the 2x-SDPA error rule,
-the float64 prefill check, and atomic writes of the results JSON (one section at a time).
+the float64 prefill check, atomic writes of the results JSON (one section at a time), and the figures'
+canvas (``subplots`` / ``save_figure``).
 
 How the scripts import it: as ``common``, a plain module next to them, never as ``bench.common``
 (bench/bench.py would shadow a ``bench`` package). A script run as a file (``python3 bench/bench.py``)
@@ -206,3 +207,20 @@ def write_section(name: str, rows, meta: dict, path: str, extra: dict | None = N
     (GPU, versions, date, how it was timed), plus ``extra`` keys measured in the same run; every other
     section and its meta stays as it was. Atomic. Returns the whole file's data."""
     return update_json(path, {name: rows, f"{name}_meta": meta, **(extra or {})})
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def subplots(*args, **kwargs):
+    """matplotlib's plt.subplots on the file-only Agg backend (a GPU machine has no display)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig, path: str) -> None:
+    """A results figure as the committed PNGs are: tight layout, 110 dpi."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -23,7 +23,7 @@ if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is impor
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
-from common import RESULTS_DIR, ROOT, TIMING, bench_ms, log, run_meta, write_json  # noqa: E402
+from common import RESULTS_DIR, ROOT, TIMING, bench_ms, log, run_meta, save_figure, subplots, write_json  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -174,10 +174,7 @@ def attention_ms(cfg, dtype):
 
 
 def plot(res, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = subplots(figsize=(7, 4))
     for name, style, label in (("flash", "-", "course flash_attention (Triton)"), ("sdpa", "--", "SDPA")):
         r = res["runs"][name]
         ax.plot(range(1, len(r["loss"]) + 1), r["loss"], style, lw=1,
@@ -190,8 +187,7 @@ def plot(res, path):
     ax.set_title(f"GPT {c['n_layer']}L {c['n_head']}H d_model={c['d_model']} T={c['T']} B={c['batch']} "
                  f"({res['device_name']}, {res['date']})", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main():
