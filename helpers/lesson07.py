@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .results import RESULTS, fmt, load_results, results_label, section_rows
+from .results import RESULTS, decode_rows, decode_table, load_results, prefill_table, results_label, section_rows
 from .results import geomean_ratio as _geomean_ratio
 
 from . import reference, triton_mode
@@ -116,39 +116,6 @@ def plot_tile_classes(N=256, Nk=256, BLOCK_M=64, BLOCK_N=32, causal=True, ax=Non
 # ------------------------------------------------------------------ benchmark results
 def prefill_rows(res, dtype=None, d=None, causal=None):
     return section_rows(res, "prefill", dtype, d, causal)
-
-
-def decode_rows(res):
-    return sorted(res.get("decode", []), key=lambda r: (r["dtype"], r["d"], r["H"], r["Hkv"], r["B"], r["Nk"]))
-
-
-_f = fmt
-
-
-def prefill_table(res) -> str:
-    """A plain-text table of the prefill rows: TFLOP/s of Triton and of SDPA's three backends."""
-    head = f"{'dtype':>8} {'d':>4} {'causal':>6} {'N':>6} {'B':>3} {'H':>3} {'triton':>7} {'flash':>7} " \
-           f"{'cudnn':>7} {'effic.':>7} {'tri/flash':>9} {'tri/cudnn':>9}"
-    lines = ["prefill, TFLOP/s (FLOPs = 4·B·H·N²·d, halved when causal)", head]
-    for r in prefill_rows(res):
-        t, fl, cu = r.get("triton_tflops"), r.get("sdpa_flash_tflops"), r.get("sdpa_cudnn_tflops")
-        lines.append(f"{r['dtype']:>8} {r['d']:>4} {str(bool(r['causal'])):>6} {r['N']:>6} {r['B']:>3} {r['H']:>3} "
-                     f"{_f(t):>7} {_f(fl):>7} {_f(cu):>7} {_f(r.get('sdpa_efficient_tflops')):>7} "
-                     f"{_f(t / fl if t and fl else None, 2):>9} {_f(t / cu if t and cu else None, 2):>9}")
-    return "\n".join(lines)
-
-
-def decode_table(res) -> str:
-    """A plain-text table of the decode rows: effective GB/s (K and V read once)."""
-    head = f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'Nk':>7} {'d':>4} {'splits':>6} {'triton':>7} " \
-           f"{'flash':>7} {'cudnn':>7} {'tri/cudnn':>9}"
-    lines = ["decode, GB/s (bytes = K and V read once); " + results_label(res, "decode"), head]
-    for r in decode_rows(res):
-        t, cu = r.get("triton_gbs"), r.get("sdpa_cudnn_gbs")
-        lines.append(f"{r['dtype']:>8} {r['B']:>3} {r['H']:>3} {r['Hkv']:>3} {r['Nk']:>7} {r['d']:>4} "
-                     f"{str(r.get('num_splits', '—')):>6} {_f(t):>7} {_f(r.get('sdpa_flash_gbs')):>7} {_f(cu):>7} "
-                     f"{_f(t / cu if t and cu else None, 2):>9}")
-    return "\n".join(lines)
 
 
 def geomean_ratio(res, other: str, min_N: int = 2048, **filters):

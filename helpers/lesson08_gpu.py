@@ -13,7 +13,8 @@ import math
 import torch
 
 from . import triton_mode
-from .results import RESULTS, TRAINING, fmt, load_results, load_training, results_label, section_rows
+from .results import (RESULTS, TRAINING, backward_table, load_results, load_training, results_label,
+                      section_rows)
 from .results import geomean_ratio as _geomean_ratio
 
 __all__ = ["NO_TRITON", "require_triton", "LOG2E", "reference_grads", "load_results", "load_training", "results_label", "backward_rows",
@@ -45,23 +46,6 @@ def reference_grads(q, k, v, do, causal=False, sm_scale=None):
 # ------------------------------------------------------------------ recorded results
 def backward_rows(res, dtype=None, d=None, causal=None):
     return section_rows(res, "backward", dtype, d, causal)
-
-
-_f = fmt
-
-
-def backward_table(res) -> str:
-    """A plain-text table of the backward rows: TFLOP/s (FLOPs = 2.5 x 4BHN²d, halved when causal)."""
-    lines = ["backward alone, TFLOP/s (FLOPs = 2.5·4·B·H·N²·d, halved when causal); " + results_label(res, "backward"),
-             f"{'dtype':>8} {'d':>4} {'causal':>6} {'N':>6} {'triton':>7} {'flash':>6} {'cudnn':>6} {'flex':>6} "
-             f"{'t/flash':>7} {'t/cudnn':>7} {'err/sdpa':>8} {'ok':>3}"]
-    for r in backward_rows(res):
-        t, f, c = r.get("triton_tflops"), r.get("sdpa_flash_tflops"), r.get("sdpa_cudnn_tflops")
-        lines.append(f"{r['dtype']:>8} {r['d']:>4} {str(bool(r['causal'])):>6} {r['N']:>6} {_f(t):>7} {_f(f):>6} "
-                     f"{_f(c):>6} {_f(r.get('flex_tflops')):>6} {_f(t / f if t and f else None, 2):>7} "
-                     f"{_f(t / c if t and c else None, 2):>7} {_f(r.get('err_ratio'), 2):>8} "
-                     f"{'✓' if r.get('pass') else '✗':>3}")
-    return "\n".join(lines)
 
 
 def geomean_ratio(res, other: str, min_N: int = 2048, **filters):

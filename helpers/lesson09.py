@@ -66,7 +66,7 @@ from multiprocessing.connection import wait as _wait_any
 
 import torch
 
-from .results import RING, load_gpu_results
+from .results import RING, gpu_results_table, load_gpu_results
 
 __all__ = ["run_ring", "launch", "RingError", "RankStats", "shard", "unshard", "chunks_of_rank",
            "check_layout", "chunk_attention", "merge_reference", "ring_schedule", "plot_schedule",
@@ -832,18 +832,3 @@ def plot_overlap(Ns=(4096, 16384, 65536, 262144, 1048576), P=2, ax=None):
     ax.set_title(f"one ring step on H200s, P = {P} (model: 60% of 989 TFLOP/s, 450 GB/s)", fontsize=10)
     ax.legend(fontsize=8)
     return ax
-
-
-def gpu_results_table(res) -> str:
-    """The "ring" rows as a text table, with the machine, versions and date; each row says whether it was causal."""
-    meta = res.get("meta", {})
-    lines = [f"{meta.get('gpus', '?')} x {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, "
-             f"triton {meta.get('triton', '?')}, {meta.get('date', '?')}",
-             f"{'layout':10s} {'causal':>6s} {'overlap':>7s} {'N':>8s} {'ring ms':>9s} {'1 GPU ms':>9s} {'speedup':>8s}"]
-    for row in res.get("ring", []):
-        single = row.get("single_gpu_ms")
-        lines.append(f"{row['layout']:10s} {str(bool(row.get('causal'))):>6s} {str(row['overlap']):>7s} "
-                     f"{row['N']:>8d} {row['ms']:>9.2f} "
-                     f"{(f'{single:.2f}' if single else 'n/a'):>9s} "
-                     f"{(format(row['speedup'], '.2f') + 'x' if row.get('speedup') else 'n/a'):>8s}")
-    return "\n".join(lines)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from . import triton_mode
-from .results import RESULTS, fmt, load_results, results_label
+from .results import NOT_MEASURED, RESULTS, load_results, results_label, serving_results, serving_tables
 
 __all__ = ["cu_seqlens_from_lengths", "check_cu_seqlens", "lengths_from_cu_seqlens", "padding_waste",
            "waste_table", "plot_waste", "long_tailed_lengths", "uniform_lengths", "few_long_many_short",
@@ -420,87 +420,6 @@ def block_waste(lengths, block_size: int) -> dict:
 
 
 # ------------------------------------------------------------------ recorded results (bench/results/h200.json)
-NOT_MEASURED = "not measured yet"
-
-
-def serving_results(res) -> dict:
-    """``{"varlen": [...], "paged": [...], "decode": [...]}``: the rows of each section, [] when absent."""
-    res = res or {}
-    return {key: list(res.get(key) or []) for key in ("varlen", "paged", "decode")}
-
-
-_f = fmt
-
-
-def _ratio(a, b):
-    return _f(a / b if a and b else None, 2)
-
-
-def _lengths_label(row) -> str:
-    """A varlen row's length mix: its name ("mix") and the lengths (a list, or bench_varlen's summary dict)."""
-    lengths = row.get("lengths")
-    if isinstance(lengths, dict) and {"count", "min", "max"} <= set(lengths):
-        text = f"{lengths['count']} seqs {lengths['min']}-{lengths['max']}"
-    elif isinstance(lengths, (list, tuple)) and lengths:
-        text = f"{len(lengths)} seqs {min(lengths)}-{max(lengths)}"
-    else:
-        text = str(lengths) if lengths else ""
-    return " ".join(x for x in (str(row.get("mix") or ""), text) if x) or "?"
-
-
-def _graph_gbs(r):
-    return r.get("triton_graph_gbs", r.get("triton_gbs_graph"))
-
-
-def serving_tables(res) -> str:
-    """The three tables, each with its label, or "not measured yet" for a section with no rows."""
-    rows = serving_results(res)
-    out = []
-    out.append("varlen prefill (packed), TFLOP/s of useful work (padding not counted); median of do_bench")
-    if rows["varlen"]:
-        out.append("  " + results_label(res, "varlen"))
-        out.append(f"{'dtype':>8} {'d':>4} {'causal':>6} {'H':>3} {'Hkv':>3} {'tokens':>7} {'lengths':>30} "
-                   f"{'varlen':>7} {'dense':>7} {'padded':>7} {'v/dense':>7} {'v/padded':>8}")
-        for r in rows["varlen"]:
-            t, dn, sp = r.get("triton_tflops"), r.get("dense_triton_tflops"), r.get("sdpa_padded_tflops")
-            out.append(f"{r.get('dtype', '?'):>8} {r.get('d', '?'):>4} {str(bool(r.get('causal'))):>6} "
-                       f"{r.get('H', '?'):>3} {r.get('Hkv', '?'):>3} {r.get('total_tokens', '?'):>7} "
-                       f"{_lengths_label(r)[:30]:>30} {_f(t):>7} {_f(dn):>7} {_f(sp):>7} "
-                       f"{_ratio(t, dn):>7} {_ratio(t, sp):>8}")
-    else:
-        out.append(f"  {NOT_MEASURED}")
-    out.append("")
-    out.append("paged decode, GB/s (K and V read once); median of do_bench, graph: median of do_bench_cudagraph")
-    if rows["paged"]:
-        out.append("  " + results_label(res, "paged"))
-        out.append(f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'d':>4} {'block':>5} {'mean_len':>8} "
-                   f"{'paged':>7} {'graph':>7} {'contig':>7} {'eq_sdpa':>7} {'p/contig':>8}")
-        for r in rows["paged"]:
-            t, c, cu = r.get("triton_gbs"), r.get("contig_triton_gbs"), r.get("sdpa_cudnn_gbs")
-            out.append(f"{r.get('dtype', '?'):>8} {r.get('B', '?'):>3} {r.get('H', '?'):>3} {r.get('Hkv', '?'):>3} "
-                       f"{r.get('d', '?'):>4} {r.get('block_size', '?'):>5} {_f(r.get('mean_len')):>8} {_f(t):>7} "
-                       f"{_f(_graph_gbs(r)):>7} {_f(c):>7} {_f(cu):>7} {_ratio(t, c):>8}")
-        out.append("  eq_sdpa: SDPA (cuDNN backend) on an equal-length, non-paged batch with the same total tokens,")
-        out.append("  not a paged kernel: SDPA cannot take per-sequence lengths without a mask")
-    else:
-        out.append(f"  {NOT_MEASURED}")
-    out.append("")
-    out.append("decode (contiguous cache), GB/s: medians of do_bench and of do_bench_cudagraph (graph)")
-    if rows["decode"]:
-        out.append("  " + results_label(res, "decode"))
-        out.append(f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'Nk':>7} {'d':>4} {'triton':>7} {'graph':>7} "
-                   f"{'cudnn':>7} {'tri/cudnn':>9}")
-        for r in sorted(rows["decode"], key=lambda r: (r.get("dtype", ""), r.get("d", 0), r.get("H", 0),
-                                                        r.get("Hkv", 0), r.get("B", 0), r.get("Nk", 0))):
-            t, cu = r.get("triton_gbs"), r.get("sdpa_cudnn_gbs")
-            out.append(f"{r.get('dtype', '?'):>8} {r.get('B', '?'):>3} {r.get('H', '?'):>3} {r.get('Hkv', '?'):>3} "
-                       f"{r.get('Nk', '?'):>7} {r.get('d', '?'):>4} {_f(t):>7} {_f(_graph_gbs(r)):>7} {_f(cu):>7} "
-                       f"{_ratio(t, cu):>9}")
-    else:
-        out.append(f"  {NOT_MEASURED}")
-    return "\n".join(out)
-
-
 def show_serving_results(res=None, path=RESULTS) -> None:
     """Print the recorded serving figures with their label (GPU, versions, date), or say they are missing."""
     res = load_results(path) if res is None else res

@@ -1,5 +1,6 @@
 """The recorded GPU results as the lessons read them: every reader of ``bench/results/``, the label of a
-section (GPU, versions, date), a section's rows, the geometric-mean ratios, and a number for a table.
+section (GPU, versions, date), a section's rows, the geometric-mean ratios, and the tables the lessons
+print (07: prefill and decode, 08: backward, 09: the ring, 10: serving).
 
 Files (written by the bench scripts through ``bench/common.py``):
 - ``h200.json`` (``RESULTS``, lessons 07, 08 and 10): one section per script (``prefill``, ``decode``,
@@ -15,7 +16,9 @@ import math
 from pathlib import Path
 
 __all__ = ["RESULTS", "TRAINING", "RING", "load_json", "load_results", "load_training", "load_gpu_results",
-           "results_label", "section_rows", "geomean", "geomean_ratio", "fmt"]
+           "results_label", "section_rows", "geomean", "geomean_ratio", "fmt", "decode_rows", "prefill_table",
+           "decode_table", "backward_table", "gpu_results_table", "NOT_MEASURED", "serving_results",
+           "serving_tables"]
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 RESULTS = RESULTS_DIR / "h200.json"
@@ -75,3 +78,150 @@ def geomean_ratio(res, section: str, other: str, min_N: int = 2048, **filters):
 def fmt(x, nd=0) -> str:
     """A table cell: x with nd decimals, or an em dash for a missing number."""
     return "—" if x is None else f"{x:.{nd}f}"
+
+
+_f = fmt
+
+
+# ------------------------------------------------------------------ the tables the lessons show
+# lesson 07: prefill and decode
+
+
+def decode_rows(res):
+    return sorted(res.get("decode", []), key=lambda r: (r["dtype"], r["d"], r["H"], r["Hkv"], r["B"], r["Nk"]))
+
+
+def prefill_table(res) -> str:
+    """A plain-text table of the prefill rows: TFLOP/s of Triton and of SDPA's three backends."""
+    head = f"{'dtype':>8} {'d':>4} {'causal':>6} {'N':>6} {'B':>3} {'H':>3} {'triton':>7} {'flash':>7} " \
+           f"{'cudnn':>7} {'effic.':>7} {'tri/flash':>9} {'tri/cudnn':>9}"
+    lines = ["prefill, TFLOP/s (FLOPs = 4·B·H·N²·d, halved when causal)", head]
+    for r in section_rows(res, "prefill"):
+        t, fl, cu = r.get("triton_tflops"), r.get("sdpa_flash_tflops"), r.get("sdpa_cudnn_tflops")
+        lines.append(f"{r['dtype']:>8} {r['d']:>4} {str(bool(r['causal'])):>6} {r['N']:>6} {r['B']:>3} {r['H']:>3} "
+                     f"{_f(t):>7} {_f(fl):>7} {_f(cu):>7} {_f(r.get('sdpa_efficient_tflops')):>7} "
+                     f"{_f(t / fl if t and fl else None, 2):>9} {_f(t / cu if t and cu else None, 2):>9}")
+    return "\n".join(lines)
+
+
+def decode_table(res) -> str:
+    """A plain-text table of the decode rows: effective GB/s (K and V read once)."""
+    head = f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'Nk':>7} {'d':>4} {'splits':>6} {'triton':>7} " \
+           f"{'flash':>7} {'cudnn':>7} {'tri/cudnn':>9}"
+    lines = ["decode, GB/s (bytes = K and V read once); " + results_label(res, "decode"), head]
+    for r in decode_rows(res):
+        t, cu = r.get("triton_gbs"), r.get("sdpa_cudnn_gbs")
+        lines.append(f"{r['dtype']:>8} {r['B']:>3} {r['H']:>3} {r['Hkv']:>3} {r['Nk']:>7} {r['d']:>4} "
+                     f"{str(r.get('num_splits', '—')):>6} {_f(t):>7} {_f(r.get('sdpa_flash_gbs')):>7} {_f(cu):>7} "
+                     f"{_f(t / cu if t and cu else None, 2):>9}")
+    return "\n".join(lines)
+
+
+# lesson 08: the backward
+def backward_table(res) -> str:
+    """A plain-text table of the backward rows: TFLOP/s (FLOPs = 2.5 x 4BHN²d, halved when causal)."""
+    lines = ["backward alone, TFLOP/s (FLOPs = 2.5·4·B·H·N²·d, halved when causal); " + results_label(res, "backward"),
+             f"{'dtype':>8} {'d':>4} {'causal':>6} {'N':>6} {'triton':>7} {'flash':>6} {'cudnn':>6} {'flex':>6} "
+             f"{'t/flash':>7} {'t/cudnn':>7} {'err/sdpa':>8} {'ok':>3}"]
+    for r in section_rows(res, "backward"):
+        t, f, c = r.get("triton_tflops"), r.get("sdpa_flash_tflops"), r.get("sdpa_cudnn_tflops")
+        lines.append(f"{r['dtype']:>8} {r['d']:>4} {str(bool(r['causal'])):>6} {r['N']:>6} {_f(t):>7} {_f(f):>6} "
+                     f"{_f(c):>6} {_f(r.get('flex_tflops')):>6} {_f(t / f if t and f else None, 2):>7} "
+                     f"{_f(t / c if t and c else None, 2):>7} {_f(r.get('err_ratio'), 2):>8} "
+                     f"{'✓' if r.get('pass') else '✗':>3}")
+    return "\n".join(lines)
+
+
+# lesson 09: ring attention on two GPUs
+def gpu_results_table(res) -> str:
+    """The "ring" rows as a text table, with the machine, versions and date; each row says whether it was causal."""
+    meta = res.get("meta", {})
+    lines = [f"{meta.get('gpus', '?')} x {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, "
+             f"triton {meta.get('triton', '?')}, {meta.get('date', '?')}",
+             f"{'layout':10s} {'causal':>6s} {'overlap':>7s} {'N':>8s} {'ring ms':>9s} {'1 GPU ms':>9s} {'speedup':>8s}"]
+    for row in res.get("ring", []):
+        single = row.get("single_gpu_ms")
+        lines.append(f"{row['layout']:10s} {str(bool(row.get('causal'))):>6s} {str(row['overlap']):>7s} "
+                     f"{row['N']:>8d} {row['ms']:>9.2f} "
+                     f"{(f'{single:.2f}' if single else 'n/a'):>9s} "
+                     f"{(format(row['speedup'], '.2f') + 'x' if row.get('speedup') else 'n/a'):>8s}")
+    return "\n".join(lines)
+
+
+# lesson 10: serving (varlen prefill, paged decode, decode)
+NOT_MEASURED = "not measured yet"
+
+
+def serving_results(res) -> dict:
+    """``{"varlen": [...], "paged": [...], "decode": [...]}``: the rows of each section, [] when absent."""
+    res = res or {}
+    return {key: list(res.get(key) or []) for key in ("varlen", "paged", "decode")}
+
+
+def _ratio(a, b):
+    return _f(a / b if a and b else None, 2)
+
+
+def _lengths_label(row) -> str:
+    """A varlen row's length mix: its name ("mix") and the lengths (a list, or bench_varlen's summary dict)."""
+    lengths = row.get("lengths")
+    if isinstance(lengths, dict) and {"count", "min", "max"} <= set(lengths):
+        text = f"{lengths['count']} seqs {lengths['min']}-{lengths['max']}"
+    elif isinstance(lengths, (list, tuple)) and lengths:
+        text = f"{len(lengths)} seqs {min(lengths)}-{max(lengths)}"
+    else:
+        text = str(lengths) if lengths else ""
+    return " ".join(x for x in (str(row.get("mix") or ""), text) if x) or "?"
+
+
+def _graph_gbs(r):
+    return r.get("triton_graph_gbs", r.get("triton_gbs_graph"))
+
+
+def serving_tables(res) -> str:
+    """The three tables, each with its label, or "not measured yet" for a section with no rows."""
+    rows = serving_results(res)
+    out = []
+    out.append("varlen prefill (packed), TFLOP/s of useful work (padding not counted); median of do_bench")
+    if rows["varlen"]:
+        out.append("  " + results_label(res, "varlen"))
+        out.append(f"{'dtype':>8} {'d':>4} {'causal':>6} {'H':>3} {'Hkv':>3} {'tokens':>7} {'lengths':>30} "
+                   f"{'varlen':>7} {'dense':>7} {'padded':>7} {'v/dense':>7} {'v/padded':>8}")
+        for r in rows["varlen"]:
+            t, dn, sp = r.get("triton_tflops"), r.get("dense_triton_tflops"), r.get("sdpa_padded_tflops")
+            out.append(f"{r.get('dtype', '?'):>8} {r.get('d', '?'):>4} {str(bool(r.get('causal'))):>6} "
+                       f"{r.get('H', '?'):>3} {r.get('Hkv', '?'):>3} {r.get('total_tokens', '?'):>7} "
+                       f"{_lengths_label(r)[:30]:>30} {_f(t):>7} {_f(dn):>7} {_f(sp):>7} "
+                       f"{_ratio(t, dn):>7} {_ratio(t, sp):>8}")
+    else:
+        out.append(f"  {NOT_MEASURED}")
+    out.append("")
+    out.append("paged decode, GB/s (K and V read once); median of do_bench, graph: median of do_bench_cudagraph")
+    if rows["paged"]:
+        out.append("  " + results_label(res, "paged"))
+        out.append(f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'d':>4} {'block':>5} {'mean_len':>8} "
+                   f"{'paged':>7} {'graph':>7} {'contig':>7} {'eq_sdpa':>7} {'p/contig':>8}")
+        for r in rows["paged"]:
+            t, c, cu = r.get("triton_gbs"), r.get("contig_triton_gbs"), r.get("sdpa_cudnn_gbs")
+            out.append(f"{r.get('dtype', '?'):>8} {r.get('B', '?'):>3} {r.get('H', '?'):>3} {r.get('Hkv', '?'):>3} "
+                       f"{r.get('d', '?'):>4} {r.get('block_size', '?'):>5} {_f(r.get('mean_len')):>8} {_f(t):>7} "
+                       f"{_f(_graph_gbs(r)):>7} {_f(c):>7} {_f(cu):>7} {_ratio(t, c):>8}")
+        out.append("  eq_sdpa: SDPA (cuDNN backend) on an equal-length, non-paged batch with the same total tokens,")
+        out.append("  not a paged kernel: SDPA cannot take per-sequence lengths without a mask")
+    else:
+        out.append(f"  {NOT_MEASURED}")
+    out.append("")
+    out.append("decode (contiguous cache), GB/s: medians of do_bench and of do_bench_cudagraph (graph)")
+    if rows["decode"]:
+        out.append("  " + results_label(res, "decode"))
+        out.append(f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'Nk':>7} {'d':>4} {'triton':>7} {'graph':>7} "
+                   f"{'cudnn':>7} {'tri/cudnn':>9}")
+        for r in sorted(rows["decode"], key=lambda r: (r.get("dtype", ""), r.get("d", 0), r.get("H", 0),
+                                                        r.get("Hkv", 0), r.get("B", 0), r.get("Nk", 0))):
+            t, cu = r.get("triton_gbs"), r.get("sdpa_cudnn_gbs")
+            out.append(f"{r.get('dtype', '?'):>8} {r.get('B', '?'):>3} {r.get('H', '?'):>3} {r.get('Hkv', '?'):>3} "
+                       f"{r.get('Nk', '?'):>7} {r.get('d', '?'):>4} {_f(t):>7} {_f(_graph_gbs(r)):>7} {_f(cu):>7} "
+                       f"{_ratio(t, cu):>9}")
+    else:
+        out.append(f"  {NOT_MEASURED}")
+    return "\n".join(out)
