@@ -15,7 +15,7 @@ import math
 import torch
 
 from .. import reference
-from ..checking import Bug, Case, exercise
+from ..checking import Bug, Case, _where_in_learner_code, exercise
 from ..lesson04 import visible_tile_flops
 
 # float32 tiles against float64 autograd: a few rounding steps per tile, on gradients of order 1.
@@ -40,9 +40,68 @@ def reference_grads(q, k, v, do, causal=False, align="top_left"):
     return O.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
+class _Watch:
+    """What the meter does not see, watched during one call (unmetered: the meter keeps every tensor alive):
+    calls into autograd, and the most ``[Br, Bc]`` score tiles (S, P, dP, dS) alive at once (tiles kept
+    for a second sweep)."""
+
+    def __init__(self, tile_shapes=()):
+        self.autograd, self.live, self.peak_tiles, self.tile_shapes = [], 0, 0, set(tile_shapes)
+
+    def _gone(self):
+        self.live -= 1
+
+    def made(self, out):
+        import weakref
+        for t in (out if isinstance(out, (list, tuple)) else (out,)):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) in self.tile_shapes:
+                self.live += 1
+                self.peak_tiles = max(self.peak_tiles, self.live)
+                weakref.finalize(t, self._gone)
+
+    def run(self, fn, *args, **kwargs):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        watch = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not func.is_view:
+                    watch.made(out)
+                return out
+
+        grad, backward = torch.autograd.grad, torch.autograd.backward
+
+        def spy(name, orig):
+            def call(*a, **kw):
+                watch.autograd.append(name)
+                return orig(*a, **kw)
+            return call
+        torch.autograd.grad, torch.autograd.backward = spy("grad", grad), spy("backward", backward)
+        try:
+            with Mode():
+                return fn(*args, **kwargs)
+        finally:
+            torch.autograd.grad, torch.autograd.backward = grad, backward
+
+
 def _meter(g, fn, case, names):
-    """Meter one call of ``fn`` on copies of ``case``'s inputs: the framework's one step, ``g.measure``."""
-    return g.measure(case, fn=fn, names=names)
+    """Meter one call of ``fn`` on copies of ``case``'s inputs: the framework's one step, ``g.measure``.
+
+    A ``NotImplementedError`` raised only here, after the cases above returned, is a branch left
+    unwritten (❌ naming it), not an untouched stub.
+    """
+    def metered(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except NotImplementedError as e:
+            if g.returned == 0:
+                raise
+            g.fail(f"your function raised NotImplementedError when metered (called once more, on this case), "
+                   f"after returning on {g.returned} cases{_where_in_learner_code(e.__traceback__)}",
+                   hint="a branch of your function is not written yet (or still raises NotImplementedError): "
+                        "this case takes it; the exercise must handle every case")
+    return g.measure(case, fn=metered, names=names)
 
 
 # ------------------------------------------------------------------ attn_bwd_preprocess
@@ -247,6 +306,12 @@ def _bwd_bugs(which):
     return bugs
 
 
+# Elementwise work a visible tile of the backward may cost besides its five matmuls: per score (scale, mask,
+# exp, dP - D, * P, casts), per element of the [Br, d] and [Bc, d] partials (scales, adds), per row; and per
+# input element, once (D = rowsum(dO * O), copies).
+_PER_SCORE, _PER_ACC, _PER_ROW, _PER_INPUT = 16, 6, 16, 8
+
+
 def _bwd_idea(g):
     """The idea, metered: K, V read once; dK, dV written once; nothing N x Nk; no max, no softmax;
     D once; 10 N Nk d matmul FLOPs (2.5x the forward), only visible tiles when causal."""
@@ -256,24 +321,48 @@ def _bwd_idea(g):
     case = _bwd_case(f"the idea, metered: N = {N}, Nk = {Nk}, d = {d}, Br = {Br}, Bc = {Bc}", q, k, v, do,
                      Br=Br, Bc=Bc)
     r = _meter(g, g.fn, case, BWD_NAMES)
+    watch = _Watch({(Br, Bc), (Bc, Br)})       # one more call, unmetered: the meter keeps every tensor alive
+    g.call(case, fn=lambda *a, **kw: watch.run(g.fn, *a, **kw))
     banned = sorted(op for op in r.ops if "scaled_dot_product" in op or "softmax" in op)
     if banned:
         g.fail(f"your function calls {', '.join('aten.' + s for s in banned)}",
                hint="the exercise is the backward from tiles: recompute P = exp(S - lse) per [Br, Bc] tile; "
                     "autograd through SDPA or softmax is what it replaces")
+    if watch.autograd:
+        g.fail(f"your function calls torch.autograd.{watch.autograd[0]} ({len(watch.autograd)} time(s))",
+               hint="the exercise is the backward written by hand: per tile, dV += P.T @ dO, dP = dO @ V.T, "
+                    "dS = P * (dP - D), dQ += dS @ K * scale, dK += dS.T @ Q * scale. Autograd on a tile "
+                    "records the forward's graph and replays it, which is the memory the backward avoids")
     limit = max(Br * Bc, N * d, Nk * d, N, Nk)
     if r.largest.numel > limit:
         full = r.largest.numel >= N * Nk
         g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op})"
                + (f": as large as the {N} x {Nk} matrix P" if full else ", larger than a [Br, Bc] tile"),
-               hint="the full P (or S, dP, dS) materialised: the backward exists so that P is never stored. "
-                    "Recompute it one [Br, Bc] tile at a time, P = exp(Qi @ Kj.T * scale - lse_i)")
+               hint="a broadcast product (Qi[:, None] * Kj[None]).sum(-1) makes [Br, Bc, d]: write the five "
+                    "products per tile as matmuls, S = Qi @ Kj.T, dP = dOi @ Vj.T, ..." if r.largest.shape[:2] in
+               ((Br, Bc), (Bc, Br)) and len(r.largest.shape) == 3 else
+               "the full P (or S, dP, dS) materialised: the backward exists so that P is never stored. "
+               "Recompute it one [Br, Bc] tile at a time, P = exp(Qi @ Kj.T * scale - lse_i)")
+    need = 10 * N * Nk * d
+    if r.flops < need // 2:
+        g.fail(f"your function did {r.flops:,} FLOPs in matmuls (and {r.elementwise_flops:,} elementwise); the "
+               f"five products per tile are {need:,} = 2.5x the forward's",
+               hint="the products were written elementwise (a broadcast * then .sum(), or Python loops): write "
+                    "them as matmuls, S = Qi @ Kj.T, dVj += P.T @ dOi, dP = dOi @ Vj.T, dq_i += dS @ Kj, "
+                    "dKj += dS.T @ Qi; on a GPU these are tl.dot on tensor cores")
+    n_q, n_kv = math.ceil(N / Br), math.ceil(Nk / Bc)
+    if watch.peak_tiles > n_q * n_kv // 2:
+        g.fail(f"your function kept {watch.peak_tiles} [{Br}, {Bc}] score tiles alive at once ({n_q} x {n_kv} "
+               "tiles in all): tiles of P (or S, dP, dS) stored for a second sweep",
+               hint="that is the whole P, a tile at a time: SRAM holds one tile. Use each P tile where it is "
+                    "made (dV, dP, dS, dQ, dK in the same step) and recompute it rather than keep it")
     esize = q.element_size()                  # bytes per element of the inputs (float32: 4)
     kv = Nk * d * esize
     read_k, read_v = r.reads.get("k", 0) / kv, r.reads.get("v", 0) / kv
+    # a `dk[j:j+Bc] += dKj` once per KV block writes its slice twice (the add, then the store): 2x is once
     wrote_k, wrote_v = r.writes.get("out1", 0) / kv, r.writes.get("out2", 0) / kv
-    n_q, n_kv = math.ceil(N / Br), math.ceil(Nk / Bc)
-    if (read_k > 1 or read_v > 1) and wrote_k <= 1 and r.writes.get("out0", 0) <= N * d * esize:
+    wrote_q = r.writes.get("out0", 0) / (N * d * esize)
+    if (read_k > 1 or read_v > 1) and wrote_k <= 2 and wrote_q <= 2:
         g.fail(f"k and v were read {read_k:g} times and dQ written once: that is the deterministic two-pass "
                "variant (a dK/dV pass, then a dQ pass with Q blocks outside)",
                hint="correct, but it recomputes S and dP in the second pass (3.5x the forward's FLOPs, not 2.5x). "
@@ -284,11 +373,22 @@ def _bwd_idea(g):
                "reads each once",
                hint="KV blocks outside: load Kj = k[j:j+Bc] and Vj = v[j:j+Bc] once per outer step, before the "
                     "loop over Q blocks, and keep them (slicing k again inside the Q loop is a new load)")
-    if wrote_k > 1 or wrote_v > 1:
+    if wrote_k > 2 or wrote_v > 2:
         g.fail(f"dK went to HBM {wrote_k:g} times its size and dV {wrote_v:g} times ({n_q} Q blocks; each "
-               "`+=` into a slice counts twice, the add and the store); each is written once",
+               "`+=` into a slice counts twice, the add and the store); each is written once per KV block",
                hint="dK/dV accumulated in HBM per tile: keep dKj, dVj as local [Bc, d] tensors (SRAM) for the "
                     "whole Q loop, += into them, and write dk[j:j+Bc] = dKj once after it")
+    if n_kv > 1 and wrote_q <= 2:
+        g.fail(f"dQ went to HBM {wrote_q:g} times its size with {n_kv} KV blocks: each dQ_i was summed in "
+               "SRAM, so the Q blocks were the outer loop (and the K/V tiles, or dK/dV, were kept across it)",
+               hint="with Q blocks outside, every K/V tile and its dK/dV partial must stay alive for the whole "
+                    "run: a list of tiles is all of K, V, dK, dV in SRAM, which no GPU has. FlashAttention-2 "
+                    "puts KV blocks outside (dKj, dVj in SRAM) and adds each tile's dQ into HBM: "
+                    "dq[i:i+Br] += dS @ Kj * scale")
+    if r.passes("o") > 1:
+        g.fail(f"o was read {r.passes('o')} times: D = rowsum(dO * O) was recomputed inside the tile loops",
+               hint="D = rowsum(dO * O) is computed once, before the loops (attn_bwd_preprocess), and read per "
+                    "Q block as D[i:i+Br]; recomputing it per tile rereads O from HBM every time")
     stats = sorted(op for op in r.ops if op in ("amax", "max", "logsumexp", "_softmax", "softmax"))
     if stats:
         g.fail(f"your function calls {', '.join('aten.' + s for s in stats)}: a max over scores",
@@ -313,10 +413,16 @@ def _bwd_idea(g):
     case = _bwd_case(f"the causal work, metered: N = Nk = {N}, d = {d}, Br = {Br}, Bc = {Bc}", q, k, v, do,
                      Br=Br, Bc=Bc, causal=True)
     r = _meter(g, g.fn, case, BWD_NAMES)
-    need = visible_tile_flops(reference.causal_mask(N, Nk, "top_left"), Br, Bc, d) * 10 // 4
-    if r.flops > need + 2 * N * d:
-        g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "
-               f"(every tile: {10 * N * Nk * d:,})",
+    vis = reference.causal_mask(N, Nk, "top_left")
+    need = visible_tile_flops(vis, Br, Bc, d) * 10 // 4
+    visible = [(min(Br, N - i0), min(Bc, Nk - j0)) for i0 in range(0, N, Br) for j0 in range(0, Nk, Bc)
+               if vis[i0:i0 + Br, j0:j0 + Bc].any()]
+    allowed = need + 2 * N * d + sum(_PER_SCORE * br * bc + _PER_ACC * (br + bc) * d + _PER_ROW * br
+                                     for br, bc in visible) + _PER_INPUT * (N + Nk) * d
+    if r.flops > need + 2 * N * d or r.total_flops > allowed:
+        g.fail(f"your function did {r.flops:,} matmul FLOPs and {r.elementwise_flops:,} elementwise; the tiles "
+               f"with a visible key need {need:,} in matmuls and at most {allowed:,} in all (every tile: "
+               f"{10 * N * Nk * d:,} in matmuls)",
                hint="the invisible causal tiles were computed: skip them in the backward too (lesson 04's "
                     "tile_class(i, j, Br, Bc, N, Nk, align) == 'skip'): their P is 0, so they add nothing "
                     "to dQ, dK or dV")
