@@ -347,6 +347,11 @@ def make_function(bug=None, bwd=L.flash_attn_bwd_ref):
             elif bug == "ctx_P":
                 ctx.save_for_backward(q, k, v, o, lse)
                 ctx.P = torch.softmax(q @ k.T / math.sqrt(q.shape[1]), 1)
+            elif bug == "ctx_dict":                 # P tiles kept in a dict on ctx for the backward
+                ctx.save_for_backward(q, k, v, o, lse)
+                S = q @ k.T / math.sqrt(q.shape[1])
+                ctx.tiles = {(i, j): torch.exp(S[i:i + Br, j:j + Bc] - lse[i:i + Br, None])
+                             for i in range(0, q.shape[0], Br) for j in range(0, k.shape[0], Bc)}
             elif bug == "m_and_l":
                 ctx.save_for_backward(q, k, v, o, lse, torch.exp(lse))
             elif bug == "lse_log2":
@@ -360,7 +365,10 @@ def make_function(bug=None, bwd=L.flash_attn_bwd_ref):
             q, k, v, o, lse = ctx.saved_tensors[:5]
             if bug == "float32":
                 q, k, v, o, lse, do = (t.float() for t in (q, k, v, o, lse, do))
-            dq, dk, dv = bwd(q, k, v, o, lse, do, ctx.Br, ctx.Bc, ctx.causal)
+            causal = ctx.causal and not (bug == "f64_no_causal" and q.dtype == torch.float64)
+            dq, dk, dv = bwd(q, k, v, o, lse, do, ctx.Br, ctx.Bc, causal)
+            if bug == "dq_dk_swapped":
+                return dk, dq, dv, None, None, None
             if bug == "three":
                 return dq, dk, dv
             if bug == "swapped":
@@ -402,6 +410,9 @@ def test_function_other_correct_ways_pass(fn, strict, capsys):
 @pytest.mark.parametrize("fn, words", [
     (make_function("save_P"), ["kept a tensor of shape [7, 11]", "not to store P"]),
     (make_function("ctx_P"), ["kept a tensor of shape [7, 11]", "not to store P"]),
+    (make_function("ctx_dict"), ["ctx.tiles[(0, 0)]", "ctx.save_for_backward"]),
+    (make_function("dq_dk_swapped"), ["invalid gradient", "shapes of q, k, v"]),
+    (make_function("f64_no_causal"), ["wrong, not rounding", "causal=True"]),
     (make_function("m_and_l"), ["saved tensors of shapes", "replaces the row max m and sum l"]),
     (make_function("lse_log2"), ["not the natural-log lse"]),
     (make_function("swapped"), ["wrong order"]),

@@ -469,9 +469,18 @@ def _saved(grad_fn):
     """The tensors an autograd Function kept: save_for_backward's and any set on ctx as attributes."""
     saved = list(grad_fn.saved_tensors)
     extra = []
+
+    def walk(name, val, depth=0):           # tensors in lists, tuples, dicts and sets on ctx, at any depth
+        if isinstance(val, torch.Tensor):
+            extra.append((name, val))
+        elif depth < 4 and isinstance(val, (list, tuple, set, frozenset)):
+            for x in val:
+                walk(name, x, depth + 1)
+        elif depth < 4 and isinstance(val, dict):
+            for key, x in val.items():
+                walk(f"{name}[{key!r}]", x, depth + 1)
     for name, val in vars(grad_fn).items():
-        vals = val if isinstance(val, (list, tuple)) else [val]
-        extra += [(name, t) for t in vals if isinstance(t, torch.Tensor)]
+        walk(name, val)
     return saved, extra
 
 
@@ -487,11 +496,16 @@ def _run_function(F, g):
         try:
             o.backward(do)
         except RuntimeError as e:
-            if "incorrect number of gradients" not in str(e):
-                raise
-            g.fail(f"autograd says: {e}",
-                   hint="backward returns one gradient per forward input, in order: dq, dk, dv, and None for "
-                        "causal, Br, Bc (six values)")
+            if "incorrect number of gradients" in str(e):
+                g.fail(f"autograd says: {e}",
+                       hint="backward returns one gradient per forward input, in order: dq, dk, dv, and None for "
+                            "causal, Br, Bc (six values)")
+            if "invalid gradient" in str(e):
+                g.fail(f"autograd says: {str(e).splitlines()[0]}",
+                       hint="backward returns dq, dk, dv with the shapes of q, k, v (then None, None, None), in "
+                            "that order: a gradient in another input's place, or a transposed one, has the "
+                            "wrong shape")
+            raise
         return o.detach(), q.grad, k.grad, v.grad, saved, extra
     run.__name__ = getattr(F, "__name__", "FlashAttentionFunction")
     return run
@@ -566,22 +580,33 @@ def FlashAttentionFunction(g):
         q, k, v = (torch.randn(n, 3, generator=gen, dtype=torch.float64) for n in (5, 7, 7))
         g.case = Case(f"torch.autograd.gradcheck, float64, causal={causal}", q, k, v, causal=causal, Br=2, Bc=3)
         inputs = tuple(t.clone().requires_grad_() for t in (q, k, v))
+        # float64 in, float64 accuracy out: first the gradients against autograd, which says what is wrong
+        do = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+        got = g.call(Case(g.case.name, q, k, v, do, causal=causal, Br=2, Bc=3), fn=run)
+        ref = reference_grads(q, k, v, do, causal)
+        err = max(((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-300)).nan_to_num(math.inf).item()
+                  for a, b in zip(got[1:4], ref[2:]))
+        if err > 1e-3:
+            g.fail(f"in float64 your gradients are off by a relative {err:.1e}: wrong, not rounding",
+                   hint="the float32 cases above passed, so look at what differs here: float64 inputs, "
+                        "causal=" + str(causal) + ", Br = 2, Bc = 3 (ragged tiles), and what backward hands "
+                        "flash_attn_bwd (the saved tensors, dO, ctx.causal, ctx.Br, ctx.Bc)")
         try:
             ok = torch.autograd.gradcheck(lambda a, b, c: F.apply(a, b, c, causal, 2, 3), inputs,
                                           eps=1e-6, atol=1e-6, rtol=1e-4, raise_exception=True)
         except Exception as e:  # noqa: BLE001 - gradcheck's message says which input and where
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            float32 = "Jacobian mismatch" in str(e) and err >= 1e-9
             g.fail(f"torch.autograd.gradcheck failed: {first}",
                    hint="gradcheck runs in float64: allocate every tensor with dtype=q.dtype (torch.zeros_like(q), "
-                        "torch.empty(..., dtype=q.dtype)), never a float32 default")
+                        "torch.empty(..., dtype=q.dtype)), never a float32 default" if float32 else
+                   "gradcheck compares backward with finite differences of forward, in float64: "
+                   + ("forward and backward disagree (forward, or what backward hands flash_attn_bwd)"
+                      if "Jacobian mismatch" in str(e) else
+                      "its message says what it met (a non-tensor output, an input changed in place, "
+                      "a gradient of the wrong shape or dtype)"))
         if not ok:
             g.fail("torch.autograd.gradcheck returned False", hint="compare backward with finite differences")
-        # gradcheck's tolerances let float32 arithmetic through; float64 in, float64 accuracy out
-        do = torch.randn(5, 3, generator=gen, dtype=torch.float64)
-        got = run(*(t.clone() for t in (q, k, v, do)), causal, 2, 3)
-        ref = reference_grads(q, k, v, do, causal)
-        err = max(((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
-                  for a, b in zip(got[1:4], ref[2:]))
         if not err < 1e-9:
             g.fail(f"in float64 your gradients are off by a relative {err:.1e} (float64 arithmetic gives about 1e-15)",
                    hint="something computes in float32: allocate every tensor with dtype=q.dtype "
