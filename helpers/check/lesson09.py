@@ -4,8 +4,9 @@
 process group per world size, every input of that size in it) and compared, rank by rank,
 with float64 SDPA on the whole sequence (``helpers.reference.attention``). What the
 launcher measured on each rank is checked too: bytes sent and received (P-1 chunks of K
-and V), no collective moving K/V, at most 2 K/V chunks alive at once, and the causal work
-(matmul FLOPs) per rank: no invisible chunk computed, and zigzag balanced (max/min <= 1.1).
+and V, in their dtype), sent only to the next rank and received only from the previous one, no
+collective moving K/V, nothing taken out of torch, at most 2 K/V chunks alive at once, compute
+while a receive is in flight (overlap), and the causal work (matmul FLOPs) per rank: no invisible chunk computed, and zigzag balanced (max/min <= 1.1).
 The known mistakes are modelled by a one-process simulation of the ring (``_simulate``).
 """
 from __future__ import annotations
