@@ -21,7 +21,23 @@ _TORCH_MATH = {"mm", "bmm", "matmul", "addmm", "baddbmm", "_softmax", "softmax",
                "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
                "scaled_dot_product_attention", "einsum"}
+_TORCH_MATH |= {"amax", "amin", "max", "min", "sum", "mean", "cumsum", "cumprod", "logcumsumexp", "log", "log2",
+                "logaddexp", "logaddexp2", "tensordot", "mv", "dot", "softmax", "_log_softmax"}
 _BLOCK_NS = (16, 32, 64, 128)  # tile widths a bug model tries (the notebook's launcher picks one)
+
+
+def _host_math(r, extra=frozenset()):
+    """The torch math ops a metered launcher ran on the host (in-place forms count: ``exp_`` is ``exp``)."""
+    return sorted({op.rstrip("_") for op in r.ops} & (_TORCH_MATH | extra))
+
+
+def _check_host(g, r, q, hint):
+    """No attention math in torch on the host: no math op by name, no matmul FLOPs, and no more elementwise
+    work than one pass over q (a host-side prescale); the course's launchers do none."""
+    used = _host_math(r)
+    if used or r.flops or r.elementwise_flops > q.numel():
+        what = ", ".join("aten." + u for u in used) or f"{r.flops + r.elementwise_flops:,} FLOPs of torch ops"
+        g.fail(f"your launcher ran torch ops on the host: {what}", hint=hint)
 
 
 def _device():
@@ -309,17 +325,13 @@ def _safe_max(g) -> bool:
 
 def _fwd_idea(g, fn):
     """The work must happen in the kernel: no torch matmul/softmax on the host, no N x Nk tensor."""
-    if torch.cuda.is_available():
-        return  # the meter sees host-side torch ops; on a GPU the same code path is checked on the CPU run
-    gen = torch.Generator().manual_seed(71)
-    q, k, v = (_randn(gen, 1, 1, 48, 16, dtype=torch.float32) for _ in range(3))
+    gen = torch.Generator().manual_seed(71)       # the meter sees host-side torch ops on a GPU's tensors too
+    q, k, v = (_randn(gen, 1, 1, 48, 16, dtype=_dtypes()[0]) for _ in range(3))
     r = g.measure(Case("the work happens in the kernel (metered)", q, k, v, causal=True), fn=fn,
                   names=["q", "k", "v"])
-    used = sorted(set(r.ops) & _TORCH_MATH)
-    if used:
-        g.fail(f"your launcher ran torch ops on the host: {', '.join('aten.' + u for u in used)}",
-               hint="the scores, the softmax and P @ V all belong inside the Triton kernel (tl.dot, tl.exp2, "
-                    "tl.sum): torch math around it materialises tiles in HBM, which is what FlashAttention avoids")
+    _check_host(g, r, q, hint="the scores, the softmax and P @ V all belong inside the Triton kernel (tl.dot, "
+                              "tl.exp2, tl.sum): torch math around it materialises tiles in HBM, which is what "
+                              "FlashAttention avoids")
     if r.largest.numel >= 48 * 48:
         g.fail(f"your launcher made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by})",
                hint="an N x Nk score matrix in HBM is what FlashAttention removes: the kernel allocates only "
@@ -413,15 +425,13 @@ def flash_decode_triton(g):
                             "NaN: an empty split has lse_s = -inf; with the max subtracted its weight is "
                             "exp(-inf - lse_max) = 0. If every split were empty, use 0 for lse_max"))
         g.count()
-    if not torch.cuda.is_available():  # the work must happen in the kernels
-        gen = torch.Generator().manual_seed(78)
-        q, k, v = _randn(gen, 1, 2, 16, dtype=torch.float32), *(_randn(gen, 1, 2, 64, 16, dtype=torch.float32)
-                                                                 for _ in range(2))
-        r = g.measure(Case("the work happens in the kernels (metered)", q, k, v, num_splits=4), fn=fn,
-                      names=["q", "k", "v"])
-        used = sorted(set(r.ops) & (_TORCH_MATH | {"sum", "mean", "amax", "max"}))
-        if used:
-            g.fail(f"your launcher ran torch ops on the host: {', '.join('aten.' + u for u in used)}",
-                   hint="the split kernel and the combine kernel do all the math; a host-side combine reads the "
-                        "partial results back and launches a kernel per op, which is what Flash-Decoding avoids")
+    # the work must happen in the kernels (the meter sees host-side torch ops on a GPU too)
+    gen = torch.Generator().manual_seed(78)
+    q, k, v = _randn(gen, 1, 2, 16, dtype=_dtypes()[0]), *(_randn(gen, 1, 2, 64, 16, dtype=_dtypes()[0])
+                                                           for _ in range(2))
+    r = g.measure(Case("the work happens in the kernels (metered)", q, k, v, num_splits=4), fn=fn,
+                  names=["q", "k", "v"])
+    _check_host(g, r, q, hint="the split kernel and the combine kernel do all the math; a host-side combine "
+                              "reads the partial results back and launches a kernel per op, which is what "
+                              "Flash-Decoding avoids")
     return None
