@@ -198,18 +198,12 @@ def _check_fwd_out(g, out, q, k, v, causal, sm_scale, bugs, sdpa_args=None):
 
 def _over_bound_hint(o, o_ref, atol, sdpa, causal):
     """Say what an error over the bound is: rounding (a little over) or a wrong answer (far over)."""
-    if not isinstance(o, torch.Tensor) or o.shape != o_ref.shape:
-        return ""
-    err = (o.detach().double().cpu() - o_ref).abs().nan_to_num(0.0)
-    worst = err.max().item()
-    if worst <= 10 * atol:
-        return (f"a little over the bound ({worst:.2g} against {atol:.2g} = 2 x SDPA's own error {sdpa:.2g} + "
-                "rounding): rounding, not logic. Keep m_i, l_i and acc in float32 and cast only the stored O")
-    rows = int((err.amax(-1) > atol).sum())
     where = (" Which rows are wrong tells which: only rows near the diagonal point at the causal mask "
              "(query i sees keys j <= i)" if causal else "")
-    return (f"the error is {worst:.3g}, {worst / atol:.0f} x the bound ({atol:.2g}): not rounding, a wrong answer "
-            f"({rows} rows over it). Check the online softmax update (m_i, alpha, l_i, acc) and the masks.{where}")
+    return lesson07.over_bound_hint(
+        o, o_ref, atol, sdpa, what="bound",
+        rounding_fix="Keep m_i, l_i and acc in float32 and cast only the stored O",
+        logic_fix=f"Check the online softmax update (m_i, alpha, l_i, acc) and the masks.{where}")
 
 
 @exercise("flash_attn_triton", arg_names=["q", "k", "v"], reference="float64 SDPA (error <= 2 x SDPA's own + "
