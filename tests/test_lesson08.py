@@ -32,7 +32,9 @@ def make_bwd(bug=None):
             lse[torch.isneginf(lse)] = 0.0          # a "fix" for empty rows, written into the caller's lse
         if bug == "q_in_place":
             q *= scale
-        D = (do * o).sum(1)
+        D = (do * o).sum(1) if bug != "D_diag" else torch.diag(do @ o.T)   # D_diag: an N x N matrix for N numbers
+        if bug == "strip":                          # Br ignored: every query row against a KV block
+            return L.flash_attn_bwd_ref(q, k, v, o, lse, do, N, Bc, causal, align)
         if bug == "full_P":                         # right numbers, from the whole P
             S = q @ k.T * (1.0 if bug == "q_in_place" else scale)
             vis = reference.causal_mask(N, Nk, align) if causal else torch.ones(N, Nk, dtype=torch.bool)
@@ -247,6 +249,8 @@ def test_bwd_other_correct_ways_pass(fn, strict, capsys):
     ("D_mean", ["o was read 6 times", "D = rowsum(dO * O) is computed once"]),
     ("D_einsum", ["o was read 6 times", "D = rowsum(dO * O) is computed once"]),
     ("autograd_tile", ["torch.autograd.grad", "written by hand"]),
+    ("D_diag", ["[32, 32]", "dO @ O.T keeps only its diagonal"]),
+    ("strip", ["[32, 8]", "a strip of scores"]),
     ("skip_times_zero", ["elementwise", "invisible causal tiles were computed"]),
     ("elementwise", ["FLOPs in matmuls", "written elementwise"]),
     ("broadcast", ["[8, 8, 4]", "a broadcast product", "as matmuls"]),

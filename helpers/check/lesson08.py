@@ -339,6 +339,21 @@ def _bwd_bugs(which):
 _PER_SCORE, _PER_ACC, _PER_ROW, _PER_INPUT = 16, 6, 16, 8
 
 
+def _largest_hint(shape, N, Nk, Br, Bc):
+    """What a tensor larger than a tile most likely is, from its shape."""
+    if len(shape) == 3 and shape[:2] in ((Br, Bc), (Bc, Br)):
+        return ("a broadcast product (Qi[:, None] * Kj[None]).sum(-1) makes [Br, Bc, d]: write the five products "
+                "per tile as matmuls, S = Qi @ Kj.T, dP = dOi @ Vj.T, ...")
+    if shape == (N, N) and N != Nk:
+        return ("an N x N matrix: dO @ O.T keeps only its diagonal; D = (do * o).sum(dim=1) is N * d "
+                "multiplications (attn_bwd_preprocess)")
+    if shape in ((N, Bc), (Bc, N), (Br, Nk), (Nk, Br)) and N * Nk > max(shape[0], shape[1]) * min(Br, Bc):
+        return ("a strip of scores, every query row against one KV block (or one Q block against every key): "
+                "tile both loops, Q blocks of Br rows inside KV blocks of Bc keys, so each S, P, dP, dS is [Br, Bc]")
+    return ("the full P (or S, dP, dS) materialised: the backward exists so that P is never stored. Recompute it "
+            "one [Br, Bc] tile at a time, P = exp(Qi @ Kj.T * scale - lse_i)")
+
+
 def _bwd_idea(g):
     """The idea, metered: K, V read once; dK, dV written once; nothing N x Nk; no max, no softmax;
     D once; 10 N Nk d matmul FLOPs (2.5x the forward), only visible tiles when causal."""
@@ -365,11 +380,7 @@ def _bwd_idea(g):
         full = r.largest.numel >= N * Nk
         g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op})"
                + (f": as large as the {N} x {Nk} matrix P" if full else ", larger than a [Br, Bc] tile"),
-               hint="a broadcast product (Qi[:, None] * Kj[None]).sum(-1) makes [Br, Bc, d]: write the five "
-                    "products per tile as matmuls, S = Qi @ Kj.T, dP = dOi @ Vj.T, ..." if r.largest.shape[:2] in
-               ((Br, Bc), (Bc, Br)) and len(r.largest.shape) == 3 else
-               "the full P (or S, dP, dS) materialised: the backward exists so that P is never stored. "
-               "Recompute it one [Br, Bc] tile at a time, P = exp(Qi @ Kj.T * scale - lse_i)")
+               hint=_largest_hint(tuple(r.largest.shape), N, Nk, Br, Bc))
     need = 10 * N * Nk * d
     if r.flops < need // 2:
         g.fail(f"your function did {r.flops:,} FLOPs in matmuls (and {r.elementwise_flops:,} elementwise); the "
