@@ -4,9 +4,12 @@
 Reference: ``torch.autograd`` through SDPA in float64 (``helpers.reference.attention``, whose
 empty rows give O = 0 and zero gradients), and ``torch.autograd.gradcheck`` in float64 for
 the Function. Beyond the numbers, each checker meters the learner's call (``_meter``, the
-one place that does): nothing ``N x Nk``, K and V read once, dK and dV written once, P
-recomputed from lse (no max, no softmax), D computed once, 2.5x the forward's matmul FLOPs
-(causal: only the visible tiles), and for the Function, only q, k, v, o, lse saved.
+one place that does): nothing ``N x Nk``, K and V read once, O read once (D computed once), P
+recomputed from lse (no max, no softmax), 2.5x the forward's FLOPs as matmuls (causal: only the
+visible tiles, matmul and elementwise), and for the Function, only q, k, v, o, lse saved (tensors
+on ctx are found in lists, tuples and dicts too). What the meter cannot see is watched in one
+more, unmetered call (``_Watch``): calls into autograd, how many score tiles are alive at once,
+and the writes into dq, dk, dv element by element (dK, dV once; dQ once per KV block).
 """
 from __future__ import annotations
 
