@@ -21,7 +21,7 @@ from . import reference, triton_mode
 from .triton_mode import TritonMissing  # noqa: F401 - the stop every Triton lesson raises
 
 __all__ = ["LOG2E", "LN2", "reference_bhnd", "reference_decode", "split_bounds", "tile_classes",
-           "plot_tile_classes", "sdpa_error", "load_results", "results_label", "prefill_rows",
+           "plot_tile_classes", "sdpa_error", "over_bound_hint", "load_results", "results_label", "prefill_rows",
            "decode_rows", "prefill_table", "decode_table", "geomean_ratio", "plot_prefill", "plot_decode",
            "bench_prefill_live", "bench_decode_live", "measure_ceilings", "RESULTS",
            "TritonMissing", "require_triton", "show_recorded_results"]
@@ -47,6 +47,22 @@ def reference_decode(q, k, v, sm_scale=None):
     v = v.repeat_interleave(group, dim=1)                     # [B, H, Nk, d]
     o, _ = reference.attention(q[:, :, None, :], k, v, scale=sm_scale)   # [B, H, 1, d]
     return o[:, :, 0]                                          # [B, H, d]
+
+
+def over_bound_hint(got, want, atol, sdpa, *, rounding_fix, logic_fix, what="bound") -> str:
+    """What an error over FlashAttention's bound (``atol`` = 2 x SDPA's own error ``sdpa`` + rounding) is:
+    rounding when a little over (at most 10 x the bound: ``rounding_fix``), a wrong answer when far over
+    (``logic_fix``). Used by the checkers of the Triton kernels (lessons 07 and 08)."""
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return ""
+    err = (got.detach().double().cpu() - want).abs().nan_to_num(0.0)
+    worst = err.max().item()
+    if worst <= 10 * atol:
+        return (f"a little over the {what} ({worst:.2g} against {atol:.2g} = 2 x SDPA's own error {sdpa:.2g} + "
+                f"rounding): rounding, not logic. {rounding_fix}")
+    rows = int((err.reshape(-1, err.shape[-1]).amax(-1) > atol).sum())
+    return (f"the error is {worst:.3g}, {worst / atol:.0f} x the {what} ({atol:.2g}): not rounding, a wrong answer "
+            f"({rows} rows over it). {logic_fix}")
 
 
 def sdpa_error(q, k, v, o_ref, causal=False, sm_scale=None):

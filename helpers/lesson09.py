@@ -36,8 +36,13 @@ What is measured, per rank and per input (``RankStats``), and how:
 - peak K/V chunks held: the most bytes of K/V data alive at once among the tensors the
   function *made* (receive buffers, copies, concatenations of K/V; its input k and v are
   not counted, as the caller holds them anyway), divided by the bytes of this rank's own
-  ``k`` and ``v``. A double-buffered ring holds 2 (the chunk in hand, the one in flight);
-- matmul FLOPs (``torch.utils.flop_counter``), from which the causal work per rank.
+  ``k`` and ``v``. A double-buffered ring holds 2 (the chunk in hand, the one in flight). Copies in
+  another dtype (``k.double()`` for the math) count in the chunk's own dtype, and one chunk's worth of
+  them is compute, not a held chunk;
+- matmul FLOPs (``torch.utils.flop_counter``), from which the causal work per rank;
+- the peer of every send and receive, the dtypes sent, and per receive the matmul FLOPs done between
+  posting it and the first wait after (0 everywhere: no overlap of transfer and compute);
+- bytes of K/V taken out of torch (``.numpy()``, ``.tolist()``), which nothing above could count.
 
 References: Liu, Zaharia, Abbeel, "Ring Attention with Blockwise Transformers" (2023);
 Brandon et al., "Striped Attention" (2023) and the zigzag layout of Llama 3's context
@@ -280,6 +285,11 @@ class RankStats:
     peak_chunks: float = 0.0
     flops: int = 0
     seconds: float = 0.0
+    send_to: list = field(default_factory=list)       # the peer of each send, in order
+    recv_from: list = field(default_factory=list)     # the peer of each receive (-1: any rank)
+    send_dtypes: list = field(default_factory=list)   # the dtype of each tensor sent, as a string
+    overlapped: list = field(default_factory=list)    # per receive: matmul FLOPs done between its post and wait
+    escaped: int = 0                                  # bytes of K/V taken out of torch (.numpy(), .tolist())
 
 
 _MOVES = {"clone", "_to_copy", "cat", "stack", "index_select", "index", "repeat", "flip", "roll",
@@ -299,24 +309,35 @@ def _kv_tracker_class():
         def __init__(self, inputs, chunk_bytes):
             super().__init__()
             self.carriers, self.live, self.peak, self.chunk_bytes = {}, 0, 0, chunk_bytes
+            self.cast = 0       # live bytes of K/V in another dtype, counted in the chunk's own dtype
             self.flops = 0
             for t in inputs:
                 self.mark(t, counted=False)
 
-        def _free(self, key, nbytes):
+        def _free(self, key, nbytes, cast):
             self.carriers.pop(key, None)
-            self.live -= nbytes
+            if cast:
+                self.cast -= nbytes
+            else:
+                self.live -= nbytes
 
-        def mark(self, t, counted=True):
+        def mark(self, t, counted=True, cast_from=None):
+            """Count t's storage as K/V held. ``cast_from``: t is a copy of that tensor in another dtype
+            (``k.double()`` for the math): one chunk's worth of such copies is compute, not a held chunk."""
             s = t.untyped_storage()
             key = s.data_ptr()
             if not s.nbytes() or key in self.carriers:
                 return
             nbytes = s.nbytes() if counted else 0
+            cast = cast_from is not None and cast_from.dtype != t.dtype
+            if cast:
+                nbytes = nbytes * cast_from.element_size() // t.element_size()
+                self.cast += nbytes
+            else:
+                self.live += nbytes
             self.carriers[key] = nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(s, self._free, key, nbytes)
+            self.peak = max(self.peak, self.live + max(0, self.cast - self.chunk_bytes))
+            weakref.finalize(s, self._free, key, nbytes, cast)
 
         def carries(self, t):
             return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.carriers
@@ -329,11 +350,12 @@ def _kv_tracker_class():
                 self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
             name = packet.__name__
             if name in ("copy_",) and len(args) >= 2 and self.carries(args[1]):
-                self.mark(args[0])
+                self.mark(args[0], cast_from=args[1])
             elif name in _MOVES and any(self.carries(t) for t in tree_flatten((args, kwargs))[0]):
+                src = args[0] if name == "_to_copy" and args and isinstance(args[0], torch.Tensor) else None
                 for o in tree_flatten(out)[0]:
                     if isinstance(o, torch.Tensor):
-                        self.mark(o)
+                        self.mark(o, cast_from=src)
             return out
 
     return KVTracker
@@ -345,6 +367,10 @@ class _Probe:
     def __init__(self, conn, job_ref):
         self.conn, self.job_ref = conn, job_ref
         self.stats, self.tracker, self.pending = RankStats(), None, {}
+        self.posted = []     # FLOPs done when each receive not yet waited for was posted
+
+    def flops(self):
+        return self.tracker.flops if self.tracker is not None else 0
 
     def state(self, text):
         try:
@@ -367,9 +393,11 @@ class _Probe:
         orig_send, orig_recv, orig_any = PG.send, PG.recv, PG.recv_anysource
 
         def send(self, tensors, dst, tag=0):
-            n, _ = nbytes(tensors)
+            n, flat = nbytes(tensors)
             probe.stats.bytes_sent += n
             probe.stats.sends += 1
+            probe.stats.send_to.append(int(dst))
+            probe.stats.send_dtypes += [str(t.dtype).replace("torch.", "") for t in flat if isinstance(t, torch.Tensor)]
             work = orig_send(self, tensors, dst, tag)
             probe.pending[id(work)] = (f"a send of {n:,} bytes to rank {dst}")
             return work
@@ -378,6 +406,8 @@ class _Probe:
             n, flat = nbytes(tensors)
             probe.stats.bytes_recv += n
             probe.stats.recvs += 1
+            probe.stats.recv_from.append(int(src))
+            probe.posted.append(probe.flops())
             if probe.tracker is not None:
                 for t in flat:
                     probe.tracker.mark(t)
@@ -389,6 +419,8 @@ class _Probe:
             n, _ = nbytes(tensors)
             probe.stats.bytes_recv += n
             probe.stats.recvs += 1
+            probe.stats.recv_from.append(-1)
+            probe.posted.append(probe.flops())
             work = orig_any(self, tensors, tag)
             probe.pending[id(work)] = (f"a receive of {n:,} bytes from any rank")
             return work
@@ -423,11 +455,25 @@ class _Probe:
 
         def wait(self, *args, **kwargs):
             what = probe.pending.pop(id(self), "an operation")  # no reference to the work: it holds its tensors
+            now = probe.flops()        # the receives posted so far are done by now (a batch's works are waited together)
+            probe.stats.overlapped += [now - f for f in probe.posted]
+            probe.posted = []
             probe.state(f"waiting for {what}")
             out = orig_wait(self, *args, **kwargs)
             probe.state("running")
             return out
         Work.wait = wait
+
+        def escape(name):
+            orig = getattr(torch.Tensor, name)
+
+            def out_of_torch(self, *args, **kwargs):
+                if probe.tracker is not None and probe.tracker.carries(self):
+                    probe.stats.escaped += self.numel() * self.element_size()
+                return orig(self, *args, **kwargs)
+            setattr(torch.Tensor, name, out_of_torch)
+        for name in ("numpy", "tolist", "__array__"):
+            escape(name)
 
 
 def _loopback_name() -> str:
@@ -474,7 +520,7 @@ def _worker(rank, world_size, port, payload, jobs_blob, conn, pg_timeout_s):
     for i, (args, kwargs) in enumerate(jobs):
         job_ref[0] = i
         conn.send(("start", i, None))
-        probe.stats, probe.pending = RankStats(), {}
+        probe.stats, probe.pending, probe.posted = RankStats(), {}, []
         q, k, v = args
         chunk_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
         try:

@@ -155,6 +155,31 @@ def test_no_split_rejected(sol):
     rejects(check.flash_decode, bad, "whole cache")
 
 
+def test_python_lists_rejected(sol):
+    """Right answers from Python lists: splits, GQA groups and the merge, all in Python floats."""
+    def lists(q, k, v, num_splits=4):
+        H, d = q.shape
+        Hkv, Nk, _ = k.shape
+        G = H // Hkv
+        Q, K, V = q.tolist(), k.tolist(), v.tolist()
+        chunk = max(1, math.ceil(Nk / num_splits))
+        O, L = [], []
+        for h in range(H):
+            parts = []
+            for a in range(0, Nk, chunk):
+                s = [sum(x * y for x, y in zip(Q[h], K[h // G][j])) / math.sqrt(d) for j in range(a, min(a + chunk, Nk))]
+                m = max(s)
+                p = [math.exp(x - m) for x in s]
+                o = [sum(pj * V[h // G][a + j][c] for j, pj in enumerate(p)) / sum(p) for c in range(d)]
+                parts.append((o, m + math.log(sum(p))))
+            lse = max(l for _, l in parts)
+            lse += math.log(sum(math.exp(l - lse) for _, l in parts))
+            O.append([sum(math.exp(l - lse) * o[c] for o, l in parts) for c in range(d)])
+            L.append(lse)
+        return torch.tensor(O, dtype=q.dtype), torch.tensor(L, dtype=q.dtype)
+    rejects(check.flash_decode, lists, "out of torch", "Python numbers")
+
+
 def test_decode_other_way_passes(sol, strict):
     """Vectorised over KV heads (all groups at once) and torch.tensor_split for the splits."""
     def other(q, k, v, num_splits=4):

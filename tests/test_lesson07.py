@@ -175,6 +175,21 @@ def test_forward_computed_with_torch_is_rejected():
     rejects(check.flash_attn_triton, torch_attention, "torch ops on the host", "inside the Triton kernel")
 
 
+def test_forward_on_the_host_with_in_place_ops_is_rejected():
+    """Host-side attention without a matmul op or an op of the old list: mul and sum, amax, exp_, cumsum."""
+    def host_attention(q, k, v, causal=False, sm_scale=None):
+        sm_scale = sm_scale or q.shape[-1] ** -0.5
+        s = (q.float()[..., :, None, :] * k.float()[..., None, :, :]).sum(-1) * sm_scale   # [B, H, N, Nk]
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        p = (s - m).exp_()
+        l = p.cumsum(-1)[..., -1:]
+        o = (p[..., None] * v.float()[..., None, :, :]).sum(-2) / l
+        return o.to(q.dtype), (m + l.log())[..., 0]
+    rejects(check.flash_attn_triton, host_attention, "torch ops on the host", "aten.amax", "aten.exp")
+
+
 # ------------------------------------------------------------------ planted bugs: the combine
 MEAN = tl.constexpr(1)              # a plain mean of the splits
 NO_MAX = tl.constexpr(2)            # exp(lse_s) with no max subtracted: overflows

@@ -163,3 +163,18 @@ def test_recorded_results_table_and_plots():
     assert lesson08_gpu.plot_training(rec).axes
     with pytest.raises(ValueError, match="no backward rows"):
         lesson08_gpu.plot_backward({"backward": []})
+
+
+# ------------------------------------------------------------------ what the numbers cannot show, and the error's size
+@pytest.mark.parametrize("name, old, new, words", [
+    ("inner_exp_ln2", "tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])",
+     "tl.exp((tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]) * 0.6931471805599453)",
+     ["calls tl.exp", "tl.math.exp2"]),
+    ("inner_from_0", "for start_m in range(lo, hi, BLOCK_M):", "for start_m in range(0, hi, BLOCK_M):",
+     ["the loop starts at lo", "visited query rows before lo"]),
+    ("inner_dk_twice", "dk = tl.dot(dsT.to(q.dtype), q, dk)", "dk = tl.dot((2.0 * dsT).to(q.dtype), q, dk)",
+     ["`dk`", "not rounding, a wrong answer"]),
+])
+def test_bug_the_numbers_alone_miss_or_misname(tmp_path, name, old, new, words):
+    msg = rejects(check.dkdv_inner, _planted(tmp_path, name, old, new), *words)
+    assert "a little over" not in msg

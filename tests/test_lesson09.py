@@ -54,7 +54,13 @@ def _merge(o_a, lse_a, o_b, lse_b):
 
 
 def _ring(q, k, v, causal, layout, direction=1, swap=True, merge="lse", diag_all=False, zig_second=None,
-          skip=True, hoard=False):
+          skip=True, hoard=False, book=1, hop=False, wait_first=False, f64=False, wire64=False, numpy=""):
+    """A ring with knobs for mistakes. direction: where chunks are sent (+1: rank + 1); book: whose chunk
+    a rank thinks it holds at step t, (rank - book * t) % P; hop: at step t send the own chunk straight to
+    rank + t + 1 (the right chunks, the wrong peers); wait_first: wait for the transfer before computing;
+    f64: compute each chunk pair in float64; wire64: send float64 copies; numpy: "kept" (received chunks
+    kept as numpy arrays) or "skip" (invisible chunk pairs computed in numpy, then dropped)."""
+    import numpy as np
     rank, P = dist.get_rank(), dist.get_world_size()
     B, H, n, d = q.shape
     nc = 2 * P if layout == "zigzag" else P
@@ -67,15 +73,26 @@ def _ring(q, k, v, causal, layout, direction=1, swap=True, merge="lse", diag_all
     for t in range(P):
         reqs = []
         if t < P - 1:
-            k_next, v_next = torch.empty_like(k), torch.empty_like(v)
+            wire = torch.float64 if wire64 else k.dtype
+            k_next, v_next = torch.empty_like(k, dtype=wire), torch.empty_like(v, dtype=wire)
+            to, frm = (rank + direction) % P, (rank - direction) % P
+            if hop:
+                to, frm = (rank + t + 1) % P, (rank - t - 1) % P
             reqs = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, k_cur, (rank + direction) % P), dist.P2POp(dist.isend, v_cur, (rank + direction) % P),
-                dist.P2POp(dist.irecv, k_next, (rank - direction) % P), dist.P2POp(dist.irecv, v_next, (rank - direction) % P)])
-        src = (rank - t) % P
+                dist.P2POp(dist.isend, (k if hop else k_cur).to(wire), to),
+                dist.P2POp(dist.isend, (v if hop else v_cur).to(wire), to),
+                dist.P2POp(dist.irecv, k_next, frm), dist.P2POp(dist.irecv, v_next, frm)])
+            if wait_first:
+                for req in reqs:
+                    req.wait()
+                reqs = []
+        src = (rank - book * t) % P
         theirs = [src] if layout == "contiguous" else [src, zig_second(src, P) if zig_second else 2 * P - 1 - src]
         for ia, a in enumerate(mine):
             for ib, b in enumerate(theirs):
                 if causal and b > a and skip:
+                    if numpy == "skip":           # computed off the books, then dropped
+                        np.exp(q.numpy() @ k_cur.numpy().swapaxes(-1, -2))
                     continue
                 qa = q[:, :, ia * c:(ia + 1) * c]
                 kb, vb = k_cur[:, :, ib * c:(ib + 1) * c], v_cur[:, :, ib * c:(ib + 1) * c]
@@ -86,6 +103,9 @@ def _ring(q, k, v, causal, layout, direction=1, swap=True, merge="lse", diag_all
                     s = s.masked_fill(j > i, -math.inf)
                     p = torch.softmax(s, dim=-1)
                     o_s, lse_s = p @ vb, torch.logsumexp(s, dim=-1)
+                elif f64:                         # float64 math on the float32 chunks
+                    o_s, lse_s = chunk_attention(qa.double(), kb, vb, causal=causal and (a == b or diag_all))
+                    o_s, lse_s = o_s.to(q.dtype), lse_s.to(q.dtype)
                 else:
                     o_s, lse_s = chunk_attention(qa, kb, vb, causal=causal and (a == b or diag_all))
                 rows = slice(ia * c, (ia + 1) * c)
@@ -95,13 +115,16 @@ def _ring(q, k, v, causal, layout, direction=1, swap=True, merge="lse", diag_all
                 else:
                     o[:, :, rows], lse[:, :, rows] = _merge(o[:, :, rows], lse[:, :, rows], o_s, lse_s)
         parts += 1
+        qa = kb = vb = None                       # drop the views of this step's chunk before the next one comes
         for req in reqs:
             req.wait()
         reqs = None
         if hoard:
             kept.append((k_cur, v_cur))
+        if numpy == "kept":
+            kept.append((k_cur.numpy().copy(), v_cur.numpy().copy()))
         if t < P - 1 and swap:
-            k_cur, v_cur = k_next, v_next
+            k_cur, v_cur = k_next.to(k.dtype), v_next.to(v.dtype)
     return o, lse
 
 
@@ -172,6 +195,41 @@ def _ring_masked_everything(q, k, v, layout):
     return o, lse
 
 
+def ring_reversed(q, k, v, causal=False, layout="contiguous"):             # planted: right answer, ring backwards
+    return _ring(q, k, v, causal, layout, direction=-1, book=-1)
+
+
+def ring_hop(q, k, v, causal=False, layout="contiguous"):                  # planted: right bytes, wrong peers
+    return _ring(q, k, v, causal, layout, hop=True)
+
+
+def ring_wait_first(q, k, v, causal=False, layout="contiguous"):           # planted: no overlap
+    return _ring(q, k, v, causal, layout, wait_first=True)
+
+
+def ring_f64(q, k, v, causal=False, layout="contiguous"):                  # correct: float64 math per chunk
+    return _ring(q, k, v, causal, layout, f64=True)
+
+
+def ring_wire64(q, k, v, causal=False, layout="contiguous"):               # planted: float64 on the wire
+    return _ring(q, k, v, causal, layout, wire64=True)
+
+
+def ring_numpy_kept(q, k, v, causal=False, layout="contiguous"):           # planted: chunks kept as numpy
+    return _ring(q, k, v, causal, layout, numpy="kept")
+
+
+def ring_numpy_skip(q, k, v, causal=False, layout="contiguous"):           # planted: invisible pairs in numpy
+    return _ring(q, k, v, causal, layout, numpy="skip")
+
+
+def ring_collective_error(q, k, v, causal=False, layout="contiguous"):     # planted: a mismatched collective
+    P = dist.get_world_size()
+    ks = [torch.empty(1) for _ in range(P)]
+    dist.all_gather(ks, k)
+    return _ring(q, k, v, causal, layout)
+
+
 def ring_allgather(q, k, v, causal=False, layout="contiguous"):            # planted: all-gather of K/V
     P = dist.get_world_size()
     ks, vs = [torch.empty_like(k) for _ in range(P)], [torch.empty_like(v) for _ in range(P)]
@@ -194,8 +252,9 @@ def ring_raises(q, k, v, causal=False, layout="contiguous"):               # pla
     return _ring(q, k, v, causal, layout)
 
 
-def ring_other_way(q, k, v, causal=False, layout="contiguous"):            # correct: another way
-    """Blocking send/recv ordered by rank parity, K and V stacked into one tensor, logaddexp merge."""
+def ring_other_way(q, k, v, causal=False, layout="contiguous", blocking=False):   # correct: another way
+    """isend/irecv posted before computing (blocking=True: blocking send/recv by rank parity after it),
+    K and V stacked into one tensor, logaddexp merge."""
     rank, P = dist.get_rank(), dist.get_world_size()
     B, H, n, d = q.shape
     halves = 2 if layout == "zigzag" else 1
@@ -205,6 +264,10 @@ def ring_other_way(q, k, v, causal=False, layout="contiguous"):            # cor
     o = torch.zeros(B, H, n, d)
     lse = torch.full((B, H, n), -math.inf)
     for t in range(P):
+        reqs = []
+        if t < P - 1 and not blocking:
+            incoming = torch.empty_like(kv)
+            reqs = [dist.isend(kv, (rank + 1) % P), dist.irecv(incoming, (rank - 1) % P)]
         src = (rank - t) % P
         for ia, a in enumerate(order(rank)):
             for ib, b in enumerate(order(src)):
@@ -217,7 +280,7 @@ def ring_other_way(q, k, v, causal=False, layout="contiguous"):            # cor
                 o[:, :, ia * c:(ia + 1) * c] = (torch.exp(lse[:, :, ia * c:(ia + 1) * c] - safe)[..., None]
                                                 * o[:, :, ia * c:(ia + 1) * c] + torch.exp(lse_s - safe)[..., None] * o_s)
                 lse[:, :, ia * c:(ia + 1) * c] = new
-        if t < P - 1:
+        if t < P - 1 and blocking:
             incoming = torch.empty_like(kv)
             if rank % 2 == 0:
                 dist.send(kv, (rank + 1) % P)
@@ -225,8 +288,15 @@ def ring_other_way(q, k, v, causal=False, layout="contiguous"):            # cor
             else:
                 dist.recv(incoming, (rank - 1) % P)
                 dist.send(kv, (rank + 1) % P)
-            kv = incoming
+        for req in reqs:
+            req.wait()
+        if t < P - 1:
+            kv, reqs = incoming, None
     return o, lse
+
+
+def ring_blocking(q, k, v, causal=False, layout="contiguous"):             # planted: transfers after computing
+    return ring_other_way(q, k, v, causal, layout, blocking=True)
 
 
 # ------------------------------------------------------------------ launcher
@@ -370,6 +440,14 @@ def test_merge_other_way_passes(strict):
     (ring_no_skip_masked, ["blocks of work", "skip"]),
     (ring_allgather, ["collective (allgather", "all-gather"]),
     (ring_raises, ["rank 1 raised IndexError", "ring_raises"]),
+    (ring_blocking, ["computed nothing while a receive was in flight", "blocking send/recv"]),
+    (ring_reversed, ["the ring turns the other way", "(rank + 1) % P"]),
+    (ring_hop, ["rank 0 sent to rank(s) [1, 2]", "one hop"]),
+    (ring_wait_first, ["computed nothing while a receive was in flight", "post the transfer first"]),
+    (ring_wire64, ["sent float64 tensors", "in their own dtype"]),
+    (ring_numpy_kept, ["out of torch", "keep K/V chunks as torch tensors"]),
+    (ring_numpy_skip, ["out of torch", "keep K/V chunks as torch tensors"]),
+    (ring_collective_error, ["inside torch.distributed", "same shape and dtype on both sides"]),
 ])
 def test_ring_bug_rejected(fn, words):
     rejects(check.ring_attention, fn, *words)
@@ -384,8 +462,9 @@ def test_ring_deadlock_rejected_within_the_limit(monkeypatch):
     _no_survivors()
 
 
-def test_ring_other_way_passes(strict, capsys):
-    check.ring_attention(ring_other_way)
+@pytest.mark.parametrize("fn", [ring_other_way, ring_f64])
+def test_ring_other_way_passes(fn, strict, capsys):
+    check.ring_attention(fn)
     assert "✅ ring_attention" in capsys.readouterr().out
 
 

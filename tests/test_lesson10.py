@@ -137,6 +137,28 @@ def test_varlen_block_map_bug_rejected(fn, words):
     rejects(check.varlen_block_map, fn, *words)
 
 
+def map_sparse(cu, BLOCK_M):                       # right numbers, as a sparse tensor
+    return tuple(t.to_sparse() for t in _map_loop(cu, BLOCK_M))
+
+
+def map_meta(cu, BLOCK_M):                         # the right shape, no numbers
+    return tuple(t.to("meta") for t in _map_loop(cu, BLOCK_M))
+
+
+def map_shifts(cu, BLOCK_M):                       # cdiv by shifts: right for powers of two only
+    shift = BLOCK_M.bit_length() - 1
+    return _map_loop(cu, BLOCK_M, n_blocks=lambda n, bm: (n + bm - 1) >> shift)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (map_sparse, ["is a sparse_coo tensor", ".to_dense()"]),
+    (map_meta, ["on the meta device", "no numbers"]),
+    (map_shifts, ["BLOCK_M = 3", "entries"]),
+], ids=lambda x: getattr(x, "__name__", ""))
+def test_varlen_block_map_odd_outputs_get_a_verdict(fn, words):
+    rejects(check.varlen_block_map, fn, *words)
+
+
 @pytest.mark.parametrize("fn", [map_other_way, map_lexsort, L.varlen_block_map_ref])
 def test_varlen_block_map_correct_ways_pass(fn, strict, capsys):
     check.varlen_block_map(fn)
@@ -201,6 +223,40 @@ def gather_whole_row_of_table(k_pages, block_table, cache_seqlens, b):   # reads
     return k_pages[block_table[b].long()].reshape(-1, Hkv, d)[:int(cache_seqlens[b])]
 
 
+def _gather_lookup(k_pages, block_table, cache_seqlens, b, pad="", bits=False):
+    """The lookup, with one knob: pad ("clamp", "mod", "onehot") reads the whole row of block_table, its padding
+    made a valid block, then drops the extra rows; bits: shifts and masks for // and %."""
+    num_blocks, bs, Hkv, d = k_pages.shape
+    n = int(cache_seqlens[b])
+    t = torch.arange(n)
+    if bits:
+        shift = bs.bit_length() - 1
+        return k_pages[block_table[b, t >> shift].long(), t & (bs - 1)]
+    if pad == "onehot":                           # a lookup as a matmul over the whole pool
+        slot = block_table[b, t // bs].long() * bs + t % bs
+        onehot = torch.nn.functional.one_hot(slot, num_blocks * bs).to(k_pages.dtype)       # [n, num_blocks * bs]
+        return (onehot @ k_pages.reshape(num_blocks * bs, Hkv * d)).reshape(n, Hkv, d)
+    row = block_table[b].long()
+    row = row.clamp(0, num_blocks - 1) if pad == "clamp" else row % num_blocks
+    return k_pages[row].reshape(-1, Hkv, d)[:n]
+
+
+def gather_clamp(k_pages, block_table, cache_seqlens, b):
+    return _gather_lookup(k_pages, block_table, cache_seqlens, b, pad="clamp")
+
+
+def gather_mod(k_pages, block_table, cache_seqlens, b):
+    return _gather_lookup(k_pages, block_table, cache_seqlens, b, pad="mod")
+
+
+def gather_onehot(k_pages, block_table, cache_seqlens, b):
+    return _gather_lookup(k_pages, block_table, cache_seqlens, b, pad="onehot")
+
+
+def gather_bits(k_pages, block_table, cache_seqlens, b):
+    return _gather_lookup(k_pages, block_table, cache_seqlens, b, bits=True)
+
+
 def gather_whole_last_block(k_pages, block_table, cache_seqlens, b):
     _, bs, Hkv, d = k_pages.shape
     n_blocks = -(-int(cache_seqlens[b]) // bs)
@@ -238,7 +294,11 @@ def gather_loop(k_pages, block_table, cache_seqlens, b):               # correct
     (gather_ceil, ["off by one at a block boundary"]),
     (gather_shifted, ["off by one token"]),
     (gather_row0, ["wrong row of block_table"]),
-    (gather_whole_row_of_table, ["past the table", "padding"]),
+    (gather_whole_row_of_table, ["read the padding entries", "aten.index"]),
+    (gather_clamp, ["read the padding entries of block_table[1] (entries 4..7", "aten.clamp", "clamp, % num_blocks"]),
+    (gather_mod, ["read the padding entries", "aten.remainder"]),
+    (gather_onehot, ["computed with the whole pool", "one-hot"]),
+    (gather_bits, ["block_size 3", "only for a power of two"]),
     (gather_whole_last_block, ["whole last block"]),
     (gather_cat, ["empty sequence", "[0, Hkv, d]"]),
 ], ids=lambda x: getattr(x, "__name__", ""))

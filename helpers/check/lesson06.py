@@ -269,6 +269,13 @@ def _decode_idea(g):
     r = g.measure(Case(f"metered: H={H} query heads on one KV head, Nk={Nk}, num_splits={S}", q, k, v,
                        num_splits=S), names=["q", "k", "v"])
     chunk = Nk // S
+    escaped = r.escapes.get("tolist", 0) + r.escapes.get("numpy", 0) + r.escapes.get("__array__", 0)
+    if escaped and r.total_flops < H * Nk * d:
+        g.fail(f"your function took its inputs out of torch (.tolist() or .numpy(), {escaped} time(s)) and did "
+               f"{r.total_flops:,} FLOPs in tensor ops; the {H} heads against {Nk} keys are {4 * H * Nk * d:,}",
+               hint="the math ran in Python numbers, one at a time: Flash-Decoding is a kernel's work on tiles. "
+                    "Keep q, k, v as tensors and compute each split with tensor ops, S = q_g @ k[g, a:b].T * "
+                    "qk_scale ([G, chunk]), its softmax and lse, then P @ v[g, a:b]")
     if r.largest.numel >= H * Nk:
         g.fail(f"your function made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by}); "
                f"with {S} splits of {chunk} keys nothing as large as [H, Nk] = [{H}, {Nk}] is needed",

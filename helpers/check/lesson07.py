@@ -21,7 +21,23 @@ _TORCH_MATH = {"mm", "bmm", "matmul", "addmm", "baddbmm", "_softmax", "softmax",
                "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
                "scaled_dot_product_attention", "einsum"}
+_TORCH_MATH |= {"amax", "amin", "max", "min", "sum", "mean", "cumsum", "cumprod", "logcumsumexp", "log", "log2",
+                "logaddexp", "logaddexp2", "tensordot", "mv", "dot", "softmax", "_log_softmax"}
 _BLOCK_NS = (16, 32, 64, 128)  # tile widths a bug model tries (the notebook's launcher picks one)
+
+
+def _host_math(r, extra=frozenset()):
+    """The torch math ops a metered launcher ran on the host (in-place forms count: ``exp_`` is ``exp``)."""
+    return sorted({op.rstrip("_") for op in r.ops} & (_TORCH_MATH | extra))
+
+
+def _check_host(g, r, q, hint):
+    """No attention math in torch on the host: no math op by name, no matmul FLOPs, and no more elementwise
+    work than one pass over q (a host-side prescale); the course's launchers do none."""
+    used = _host_math(r)
+    if used or r.flops or r.elementwise_flops > q.numel():
+        what = ", ".join("aten." + u for u in used) or f"{r.flops + r.elementwise_flops:,} FLOPs of torch ops"
+        g.fail(f"your launcher ran torch ops on the host: {what}", hint=hint)
 
 
 def _device():
@@ -184,18 +200,12 @@ def _check_fwd_out(g, out, q, k, v, causal, sm_scale, bugs, sdpa_args=None):
 
 def _over_bound_hint(o, o_ref, atol, sdpa, causal):
     """Say what an error over the bound is: rounding (a little over) or a wrong answer (far over)."""
-    if not isinstance(o, torch.Tensor) or o.shape != o_ref.shape:
-        return ""
-    err = (o.detach().double().cpu() - o_ref).abs().nan_to_num(0.0)
-    worst = err.max().item()
-    if worst <= 10 * atol:
-        return (f"a little over the bound ({worst:.2g} against {atol:.2g} = 2 x SDPA's own error {sdpa:.2g} + "
-                "rounding): rounding, not logic. Keep m_i, l_i and acc in float32 and cast only the stored O")
-    rows = int((err.amax(-1) > atol).sum())
     where = (" Which rows are wrong tells which: only rows near the diagonal point at the causal mask "
              "(query i sees keys j <= i)" if causal else "")
-    return (f"the error is {worst:.3g}, {worst / atol:.0f} x the bound ({atol:.2g}): not rounding, a wrong answer "
-            f"({rows} rows over it). Check the online softmax update (m_i, alpha, l_i, acc) and the masks.{where}")
+    return lesson07.over_bound_hint(
+        o, o_ref, atol, sdpa, what="bound",
+        rounding_fix="Keep m_i, l_i and acc in float32 and cast only the stored O",
+        logic_fix=f"Check the online softmax update (m_i, alpha, l_i, acc) and the masks.{where}")
 
 
 @exercise("flash_attn_triton", arg_names=["q", "k", "v"], reference="float64 SDPA (error <= 2 x SDPA's own + "
@@ -312,17 +322,14 @@ def _safe_max(g) -> bool:
 
 
 def _fwd_idea(g, fn):
-    """The work must happen in the kernel: no torch matmul/softmax on the host, no N x Nk tensor.
-    The meter sees torch's ops on a GPU's tensors as on the CPU's; a Triton launch is not one of them."""
-    gen = torch.Generator().manual_seed(71)
+    """The work must happen in the kernel: no torch matmul/softmax on the host, no N x Nk tensor."""
+    gen = torch.Generator().manual_seed(71)       # the meter sees host-side torch ops on a GPU's tensors too
     q, k, v = (_randn(gen, 1, 1, 48, 16, dtype=_dtypes()[0]) for _ in range(3))
     r = g.measure(Case("the work happens in the kernel (metered)", q, k, v, causal=True), fn=fn,
                   names=["q", "k", "v"])
-    used = sorted(set(r.ops) & _TORCH_MATH)
-    if used:
-        g.fail(f"your launcher ran torch ops on the host: {', '.join('aten.' + u for u in used)}",
-               hint="the scores, the softmax and P @ V all belong inside the Triton kernel (tl.dot, tl.exp2, "
-                    "tl.sum): torch math around it materialises tiles in HBM, which is what FlashAttention avoids")
+    _check_host(g, r, q, hint="the scores, the softmax and P @ V all belong inside the Triton kernel (tl.dot, "
+                              "tl.exp2, tl.sum): torch math around it materialises tiles in HBM, which is what "
+                              "FlashAttention avoids")
     if r.largest.numel >= 48 * 48:
         g.fail(f"your launcher made a tensor of shape {list(r.largest.shape)} ({r.largest.made_by})",
                hint="an N x Nk score matrix in HBM is what FlashAttention removes: the kernel allocates only "
@@ -416,14 +423,13 @@ def flash_decode_triton(g):
                             "NaN: an empty split has lse_s = -inf; with the max subtracted its weight is "
                             "exp(-inf - lse_max) = 0. If every split were empty, use 0 for lse_max"))
         g.count()
-    # the work must happen in the kernels (metered on a GPU as on the CPU)
-    gen, dt = torch.Generator().manual_seed(78), _dtypes()[0]
-    q, k, v = _randn(gen, 1, 2, 16, dtype=dt), *(_randn(gen, 1, 2, 64, 16, dtype=dt) for _ in range(2))
+    # the work must happen in the kernels (the meter sees host-side torch ops on a GPU too)
+    gen = torch.Generator().manual_seed(78)
+    q, k, v = _randn(gen, 1, 2, 16, dtype=_dtypes()[0]), *(_randn(gen, 1, 2, 64, 16, dtype=_dtypes()[0])
+                                                           for _ in range(2))
     r = g.measure(Case("the work happens in the kernels (metered)", q, k, v, num_splits=4), fn=fn,
                   names=["q", "k", "v"])
-    used = sorted(set(r.ops) & (_TORCH_MATH | {"sum", "mean", "amax", "max"}))
-    if used:
-        g.fail(f"your launcher ran torch ops on the host: {', '.join('aten.' + u for u in used)}",
-               hint="the split kernel and the combine kernel do all the math; a host-side combine reads the "
-                    "partial results back and launches a kernel per op, which is what Flash-Decoding avoids")
+    _check_host(g, r, q, hint="the split kernel and the combine kernel do all the math; a host-side combine "
+                              "reads the partial results back and launches a kernel per op, which is what "
+                              "Flash-Decoding avoids")
     return None

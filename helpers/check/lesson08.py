@@ -4,9 +4,12 @@
 Reference: ``torch.autograd`` through SDPA in float64 (``helpers.reference.attention``, whose
 empty rows give O = 0 and zero gradients), and ``torch.autograd.gradcheck`` in float64 for
 the Function. Beyond the numbers, each checker meters the learner's call (``_meter``, the
-one place that does): nothing ``N x Nk``, K and V read once, dK and dV written once, P
-recomputed from lse (no max, no softmax), D computed once, 2.5x the forward's matmul FLOPs
-(causal: only the visible tiles), and for the Function, only q, k, v, o, lse saved.
+one place that does): nothing ``N x Nk``, K and V read once, O read once (D computed once), P
+recomputed from lse (no max, no softmax), 2.5x the forward's FLOPs as matmuls (causal: only the
+visible tiles, matmul and elementwise), and for the Function, only q, k, v, o, lse saved (tensors
+on ctx are found in lists, tuples and dicts too). What the meter cannot see is watched in one
+more, unmetered call (``_Watch``): calls into autograd, how many score tiles are alive at once,
+and the writes into dq, dk, dv element by element (dK, dV once; dQ once per KV block).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import math
 import torch
 
 from .. import reference
-from ..checking import Bug, Case, exercise
+from ..checking import Bug, Case, _where_in_learner_code, exercise
 from ..lesson04 import visible_tile_flops
 
 # float32 tiles against float64 autograd: a few rounding steps per tile, on gradients of order 1.
@@ -40,9 +43,95 @@ def reference_grads(q, k, v, do, causal=False, align="top_left"):
     return O.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
+class _Watch:
+    """What the meter does not see, watched during one call (unmetered: the meter keeps every tensor alive):
+    calls into autograd, and the most ``[Br, Bc]`` score tiles (S, P, dP, dS) alive at once (tiles kept
+    for a second sweep)."""
+
+    def __init__(self, tile_shapes=()):
+        self.autograd, self.live, self.peak_tiles, self.tile_shapes = [], 0, 0, set(tile_shapes)
+        self.written = {}       # storage -> elements written into it in place (results, not zero fills)
+        self.out_writes = []    # per returned tensor: elements written in place / its elements
+
+    def wrote(self, func, args):
+        """Elements an in-place op writes: a slice's elements, or an index_add_'s rows (not the whole tensor);
+        the store that ends ``x[s] += y`` (a copy of the slice onto itself) and zero fills are not results."""
+        name = func.overloadpacket.__name__
+        if name in ("zero_", "fill_") or not args or not isinstance(args[0], torch.Tensor):
+            return
+        dst = args[0]
+        if not any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments[:1]):
+            return
+        if name == "copy_" and isinstance(args[1], torch.Tensor) and args[1].data_ptr() == dst.data_ptr() \
+                and args[1].shape == dst.shape and args[1].stride() == dst.stride():
+            return
+        n = dst.numel()
+        if name in ("index_add_", "index_copy_", "index_fill_") and len(args) > 2 and dst.dim():
+            n = args[2].numel() * (dst.numel() // max(dst.shape[args[1]], 1))
+        elif name in ("index_put_", "_index_put_impl_") and len(args) > 2 and isinstance(args[2], torch.Tensor):
+            n = args[2].numel()
+        key = dst.untyped_storage().data_ptr()
+        self.written[key] = self.written.get(key, 0) + n
+
+    def _gone(self):
+        self.live -= 1
+
+    def made(self, out):
+        import weakref
+        for t in (out if isinstance(out, (list, tuple)) else (out,)):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) in self.tile_shapes:
+                self.live += 1
+                self.peak_tiles = max(self.peak_tiles, self.live)
+                weakref.finalize(t, self._gone)
+
+    def run(self, fn, *args, **kwargs):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        watch = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not func.is_view:
+                    watch.made(out)
+                    watch.wrote(func, args)
+                return out
+
+        grad, backward = torch.autograd.grad, torch.autograd.backward
+
+        def spy(name, orig):
+            def call(*a, **kw):
+                watch.autograd.append(name)
+                return orig(*a, **kw)
+            return call
+        torch.autograd.grad, torch.autograd.backward = spy("grad", grad), spy("backward", backward)
+        try:
+            with Mode():
+                out = fn(*args, **kwargs)
+        finally:
+            torch.autograd.grad, torch.autograd.backward = grad, backward
+        self.out_writes = [self.written.get(t.untyped_storage().data_ptr(), 0) / max(t.numel(), 1)
+                           if isinstance(t, torch.Tensor) else 0.0
+                           for t in (out if isinstance(out, (tuple, list)) else (out,))]
+        return out
+
+
 def _meter(g, fn, case, names):
-    """Meter one call of ``fn`` on copies of ``case``'s inputs: the framework's one step, ``g.measure``."""
-    return g.measure(case, fn=fn, names=names)
+    """Meter one call of ``fn`` on copies of ``case``'s inputs: the framework's one step, ``g.measure``.
+
+    A ``NotImplementedError`` raised only here, after the cases above returned, is a branch left
+    unwritten (❌ naming it), not an untouched stub.
+    """
+    def metered(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except NotImplementedError as e:
+            if g.returned == 0:
+                raise
+            g.fail(f"your function raised NotImplementedError when metered (called once more, on this case), "
+                   f"after returning on {g.returned} cases{_where_in_learner_code(e.__traceback__)}",
+                   hint="a branch of your function is not written yet (or still raises NotImplementedError): "
+                        "this case takes it; the exercise must handle every case")
+    return g.measure(case, fn=metered, names=names)
 
 
 # ------------------------------------------------------------------ attn_bwd_preprocess
@@ -247,6 +336,27 @@ def _bwd_bugs(which):
     return bugs
 
 
+# Elementwise work a visible tile of the backward may cost besides its five matmuls: per score (scale, mask,
+# exp, dP - D, * P, casts), per element of the [Br, d] and [Bc, d] partials (scales, adds), per row; and per
+# input element, once (D = rowsum(dO * O), copies).
+_PER_SCORE, _PER_ACC, _PER_ROW, _PER_INPUT = 16, 6, 16, 8
+
+
+def _largest_hint(shape, N, Nk, Br, Bc):
+    """What a tensor larger than a tile most likely is, from its shape."""
+    if len(shape) == 3 and shape[:2] in ((Br, Bc), (Bc, Br)):
+        return ("a broadcast product (Qi[:, None] * Kj[None]).sum(-1) makes [Br, Bc, d]: write the five products "
+                "per tile as matmuls, S = Qi @ Kj.T, dP = dOi @ Vj.T, ...")
+    if shape == (N, N) and N != Nk:
+        return ("an N x N matrix: dO @ O.T keeps only its diagonal; D = (do * o).sum(dim=1) is N * d "
+                "multiplications (attn_bwd_preprocess)")
+    if shape in ((N, Bc), (Bc, N), (Br, Nk), (Nk, Br)) and N * Nk > max(shape[0], shape[1]) * min(Br, Bc):
+        return ("a strip of scores, every query row against one KV block (or one Q block against every key): "
+                "tile both loops, Q blocks of Br rows inside KV blocks of Bc keys, so each S, P, dP, dS is [Br, Bc]")
+    return ("the full P (or S, dP, dS) materialised: the backward exists so that P is never stored. Recompute it "
+            "one [Br, Bc] tile at a time, P = exp(Qi @ Kj.T * scale - lse_i)")
+
+
 def _bwd_idea(g):
     """The idea, metered: K, V read once; dK, dV written once; nothing N x Nk; no max, no softmax;
     D once; 10 N Nk d matmul FLOPs (2.5x the forward), only visible tiles when causal."""
@@ -256,24 +366,44 @@ def _bwd_idea(g):
     case = _bwd_case(f"the idea, metered: N = {N}, Nk = {Nk}, d = {d}, Br = {Br}, Bc = {Bc}", q, k, v, do,
                      Br=Br, Bc=Bc)
     r = _meter(g, g.fn, case, BWD_NAMES)
+    watch = _Watch({(Br, Bc), (Bc, Br)})       # one more call, unmetered: the meter keeps every tensor alive
+    g.call(case, fn=lambda *a, **kw: watch.run(g.fn, *a, **kw))
     banned = sorted(op for op in r.ops if "scaled_dot_product" in op or "softmax" in op)
     if banned:
         g.fail(f"your function calls {', '.join('aten.' + s for s in banned)}",
                hint="the exercise is the backward from tiles: recompute P = exp(S - lse) per [Br, Bc] tile; "
                     "autograd through SDPA or softmax is what it replaces")
+    if watch.autograd:
+        g.fail(f"your function calls torch.autograd.{watch.autograd[0]} ({len(watch.autograd)} time(s))",
+               hint="the exercise is the backward written by hand: per tile, dV += P.T @ dO, dP = dO @ V.T, "
+                    "dS = P * (dP - D), dQ += dS @ K * scale, dK += dS.T @ Q * scale. Autograd on a tile "
+                    "records the forward's graph and replays it, which is the memory the backward avoids")
     limit = max(Br * Bc, N * d, Nk * d, N, Nk)
     if r.largest.numel > limit:
         full = r.largest.numel >= N * Nk
         g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op})"
                + (f": as large as the {N} x {Nk} matrix P" if full else ", larger than a [Br, Bc] tile"),
-               hint="the full P (or S, dP, dS) materialised: the backward exists so that P is never stored. "
-                    "Recompute it one [Br, Bc] tile at a time, P = exp(Qi @ Kj.T * scale - lse_i)")
+               hint=_largest_hint(tuple(r.largest.shape), N, Nk, Br, Bc))
+    need = 10 * N * Nk * d
+    if r.flops < need // 2:
+        g.fail(f"your function did {r.flops:,} FLOPs in matmuls (and {r.elementwise_flops:,} elementwise); the "
+               f"five products per tile are {need:,} = 2.5x the forward's",
+               hint="the products were written elementwise (a broadcast * then .sum(), or Python loops): write "
+                    "them as matmuls, S = Qi @ Kj.T, dVj += P.T @ dOi, dP = dOi @ Vj.T, dq_i += dS @ Kj, "
+                    "dKj += dS.T @ Qi; on a GPU these are tl.dot on tensor cores")
+    n_q, n_kv = math.ceil(N / Br), math.ceil(Nk / Bc)
+    if watch.peak_tiles > n_q * n_kv // 2:
+        g.fail(f"your function kept {watch.peak_tiles} [{Br}, {Bc}] score tiles alive at once ({n_q} x {n_kv} "
+               "tiles in all): tiles of P (or S, dP, dS) stored for a second sweep",
+               hint="that is the whole P, a tile at a time: SRAM holds one tile. Use each P tile where it is "
+                    "made (dV, dP, dS, dQ, dK in the same step) and recompute it rather than keep it")
     esize = q.element_size()                  # bytes per element of the inputs (float32: 4)
     kv = Nk * d * esize
     read_k, read_v = r.reads.get("k", 0) / kv, r.reads.get("v", 0) / kv
-    wrote_k, wrote_v = r.writes.get("out1", 0) / kv, r.writes.get("out2", 0) / kv
-    n_q, n_kv = math.ceil(N / Br), math.ceil(Nk / Bc)
-    if (read_k > 1 or read_v > 1) and wrote_k <= 1 and r.writes.get("out0", 0) <= N * d * esize:
+    # writes into the outputs, element by element, from the watched call: `dk[j:j+Bc] += dKj` (the add, then
+    # the store of the slice onto itself) and dk.index_add_(0, rows, dKj) write Bc rows once, not the whole dk
+    wrote_q, wrote_k, wrote_v = (watch.out_writes + [0.0] * 3)[:3]
+    if (read_k > 1 or read_v > 1) and wrote_k <= 1 and wrote_q <= 1:
         g.fail(f"k and v were read {read_k:g} times and dQ written once: that is the deterministic two-pass "
                "variant (a dK/dV pass, then a dQ pass with Q blocks outside)",
                hint="correct, but it recomputes S and dP in the second pass (3.5x the forward's FLOPs, not 2.5x). "
@@ -285,10 +415,21 @@ def _bwd_idea(g):
                hint="KV blocks outside: load Kj = k[j:j+Bc] and Vj = v[j:j+Bc] once per outer step, before the "
                     "loop over Q blocks, and keep them (slicing k again inside the Q loop is a new load)")
     if wrote_k > 1 or wrote_v > 1:
-        g.fail(f"dK went to HBM {wrote_k:g} times its size and dV {wrote_v:g} times ({n_q} Q blocks; each "
-               "`+=` into a slice counts twice, the add and the store); each is written once",
+        g.fail(f"dK went to HBM {wrote_k:g} times its size and dV {wrote_v:g} times ({n_q} Q blocks); each is "
+               "written once, a KV block at a time",
                hint="dK/dV accumulated in HBM per tile: keep dKj, dVj as local [Bc, d] tensors (SRAM) for the "
                     "whole Q loop, += into them, and write dk[j:j+Bc] = dKj once after it")
+    if n_kv > 1 and wrote_q <= 1:
+        g.fail(f"dQ went to HBM {wrote_q:g} times its size with {n_kv} KV blocks: each dQ_i was summed in "
+               "SRAM, so the Q blocks were the outer loop (and the K/V tiles, or dK/dV, were kept across it)",
+               hint="with Q blocks outside, every K/V tile and its dK/dV partial must stay alive for the whole "
+                    "run: a list of tiles is all of K, V, dK, dV in SRAM, which no GPU has. FlashAttention-2 "
+                    "puts KV blocks outside (dKj, dVj in SRAM) and adds each tile's dQ into HBM: "
+                    "dq[i:i+Br] += dS @ Kj * scale")
+    if r.passes("o") > 1:
+        g.fail(f"o was read {r.passes('o')} times: D = rowsum(dO * O) was recomputed inside the tile loops",
+               hint="D = rowsum(dO * O) is computed once, before the loops (attn_bwd_preprocess), and read per "
+                    "Q block as D[i:i+Br]; recomputing it per tile rereads O from HBM every time")
     stats = sorted(op for op in r.ops if op in ("amax", "max", "logsumexp", "_softmax", "softmax"))
     if stats:
         g.fail(f"your function calls {', '.join('aten.' + s for s in stats)}: a max over scores",
@@ -313,10 +454,16 @@ def _bwd_idea(g):
     case = _bwd_case(f"the causal work, metered: N = Nk = {N}, d = {d}, Br = {Br}, Bc = {Bc}", q, k, v, do,
                      Br=Br, Bc=Bc, causal=True)
     r = _meter(g, g.fn, case, BWD_NAMES)
-    need = visible_tile_flops(reference.causal_mask(N, Nk, "top_left"), Br, Bc, d) * 10 // 4
-    if r.flops > need + 2 * N * d:
-        g.fail(f"your function did {r.flops:,} matmul FLOPs; the tiles with a visible key need {need:,} "
-               f"(every tile: {10 * N * Nk * d:,})",
+    vis = reference.causal_mask(N, Nk, "top_left")
+    need = visible_tile_flops(vis, Br, Bc, d) * 10 // 4
+    visible = [(min(Br, N - i0), min(Bc, Nk - j0)) for i0 in range(0, N, Br) for j0 in range(0, Nk, Bc)
+               if vis[i0:i0 + Br, j0:j0 + Bc].any()]
+    allowed = need + 2 * N * d + sum(_PER_SCORE * br * bc + _PER_ACC * (br + bc) * d + _PER_ROW * br
+                                     for br, bc in visible) + _PER_INPUT * (N + Nk) * d
+    if r.flops > need + 2 * N * d or r.total_flops > allowed:
+        g.fail(f"your function did {r.flops:,} matmul FLOPs and {r.elementwise_flops:,} elementwise; the tiles "
+               f"with a visible key need {need:,} in matmuls and at most {allowed:,} in all (every tile: "
+               f"{10 * N * Nk * d:,} in matmuls)",
                hint="the invisible causal tiles were computed: skip them in the backward too (lesson 04's "
                     "tile_class(i, j, Br, Bc, N, Nk, align) == 'skip'): their P is 0, so they add nothing "
                     "to dQ, dK or dV")
@@ -363,9 +510,18 @@ def _saved(grad_fn):
     """The tensors an autograd Function kept: save_for_backward's and any set on ctx as attributes."""
     saved = list(grad_fn.saved_tensors)
     extra = []
+
+    def walk(name, val, depth=0):           # tensors in lists, tuples, dicts and sets on ctx, at any depth
+        if isinstance(val, torch.Tensor):
+            extra.append((name, val))
+        elif depth < 4 and isinstance(val, (list, tuple, set, frozenset)):
+            for x in val:
+                walk(name, x, depth + 1)
+        elif depth < 4 and isinstance(val, dict):
+            for key, x in val.items():
+                walk(f"{name}[{key!r}]", x, depth + 1)
     for name, val in vars(grad_fn).items():
-        vals = val if isinstance(val, (list, tuple)) else [val]
-        extra += [(name, t) for t in vals if isinstance(t, torch.Tensor)]
+        walk(name, val)
     return saved, extra
 
 
@@ -381,11 +537,16 @@ def _run_function(F, g):
         try:
             o.backward(do)
         except RuntimeError as e:
-            if "incorrect number of gradients" not in str(e):
-                raise
-            g.fail(f"autograd says: {e}",
-                   hint="backward returns one gradient per forward input, in order: dq, dk, dv, and None for "
-                        "causal, Br, Bc (six values)")
+            if "incorrect number of gradients" in str(e):
+                g.fail(f"autograd says: {e}",
+                       hint="backward returns one gradient per forward input, in order: dq, dk, dv, and None for "
+                            "causal, Br, Bc (six values)")
+            if "invalid gradient" in str(e):
+                g.fail(f"autograd says: {str(e).splitlines()[0]}",
+                       hint="backward returns dq, dk, dv with the shapes of q, k, v (then None, None, None), in "
+                            "that order: a gradient in another input's place, or a transposed one, has the "
+                            "wrong shape")
+            raise
         return o.detach(), q.grad, k.grad, v.grad, saved, extra
     run.__name__ = getattr(F, "__name__", "FlashAttentionFunction")
     return run
@@ -460,22 +621,33 @@ def FlashAttentionFunction(g):
         q, k, v = (torch.randn(n, 3, generator=gen, dtype=torch.float64) for n in (5, 7, 7))
         g.case = Case(f"torch.autograd.gradcheck, float64, causal={causal}", q, k, v, causal=causal, Br=2, Bc=3)
         inputs = tuple(t.clone().requires_grad_() for t in (q, k, v))
+        # float64 in, float64 accuracy out: first the gradients against autograd, which says what is wrong
+        do = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+        got = g.call(Case(g.case.name, q, k, v, do, causal=causal, Br=2, Bc=3), fn=run)
+        ref = reference_grads(q, k, v, do, causal)
+        err = max(((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-300)).nan_to_num(math.inf).item()
+                  for a, b in zip(got[1:4], ref[2:]))
+        if err > 1e-3:
+            g.fail(f"in float64 your gradients are off by a relative {err:.1e}: wrong, not rounding",
+                   hint="the float32 cases above passed, so look at what differs here: float64 inputs, "
+                        "causal=" + str(causal) + ", Br = 2, Bc = 3 (ragged tiles), and what backward hands "
+                        "flash_attn_bwd (the saved tensors, dO, ctx.causal, ctx.Br, ctx.Bc)")
         try:
             ok = torch.autograd.gradcheck(lambda a, b, c: F.apply(a, b, c, causal, 2, 3), inputs,
                                           eps=1e-6, atol=1e-6, rtol=1e-4, raise_exception=True)
         except Exception as e:  # noqa: BLE001 - gradcheck's message says which input and where
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            float32 = "Jacobian mismatch" in str(e) and err >= 1e-9
             g.fail(f"torch.autograd.gradcheck failed: {first}",
                    hint="gradcheck runs in float64: allocate every tensor with dtype=q.dtype (torch.zeros_like(q), "
-                        "torch.empty(..., dtype=q.dtype)), never a float32 default")
+                        "torch.empty(..., dtype=q.dtype)), never a float32 default" if float32 else
+                   "gradcheck compares backward with finite differences of forward, in float64: "
+                   + ("forward and backward disagree (forward, or what backward hands flash_attn_bwd)"
+                      if "Jacobian mismatch" in str(e) else
+                      "its message says what it met (a non-tensor output, an input changed in place, "
+                      "a gradient of the wrong shape or dtype)"))
         if not ok:
             g.fail("torch.autograd.gradcheck returned False", hint="compare backward with finite differences")
-        # gradcheck's tolerances let float32 arithmetic through; float64 in, float64 accuracy out
-        do = torch.randn(5, 3, generator=gen, dtype=torch.float64)
-        got = run(*(t.clone() for t in (q, k, v, do)), causal, 2, 3)
-        ref = reference_grads(q, k, v, do, causal)
-        err = max(((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
-                  for a, b in zip(got[1:4], ref[2:]))
         if not err < 1e-9:
             g.fail(f"in float64 your gradients are off by a relative {err:.1e} (float64 arithmetic gives about 1e-15)",
                    hint="something computes in float32: allocate every tensor with dtype=q.dtype "

@@ -10,11 +10,13 @@ answer to that dtype. Runs under ``TRITON_INTERPRET=1`` on a CPU (fp32, fp16) or
 """
 from __future__ import annotations
 
+import inspect
 import math
+import re
 
 import torch
 
-from .. import lesson08_gpu
+from .. import lesson07, lesson08_gpu
 from ..checking import Bug, Case, exercise
 from ._common import stubbed
 
@@ -184,12 +186,104 @@ def _compare(g, out, case, bugs_dv, bugs_dk):
     (tol_k, sd_k), (tol_v, sd_v) = _bound(case, dk_ref, dv_ref)
     nan_hint = ("NaN: a load read past row N (mask the query-row loads: mask=rows[:, None] < N, other=0.0, and "
                 "give lse2 other=float('inf') so padded rows get P = 0), or exp2(inf - inf)")
+    rounding = ("Accumulate dk and dv in float32 (tl.dot(a, b, acc) or acc += tl.dot(a, b)) and cast only what "
+                "goes into tl.dot")
     g.compare(dv, dv_ref, "dv", rtol=0.0, atol=tol_v, bugs=bugs_dv, nan_hint=nan_hint,
-              hint=f"over the bound ({tol_v:.2g} = 2 x SDPA's own error {sd_v:.2g} + rounding): dV = P^T dO, with "
-                   "P^T = exp2(k q^T * qk_scale - lse2) recomputed per query block and masked")
+              hint=lesson07.over_bound_hint(
+                  dv, dv_ref, tol_v, sd_v, rounding_fix=rounding,
+                  logic_fix="dV = P^T dO, with P^T = exp2(k q^T * qk_scale - lse2) recomputed per query block, "
+                            "masked, and every query block from lo to hi visited once"))
     g.compare(dk, dk_ref, "dk", rtol=0.0, atol=tol_k, bugs=bugs_dk, nan_hint=nan_hint,
-              hint=f"over the bound ({tol_k:.2g} = 2 x SDPA's own error {sd_k:.2g} + rounding): dS^T = P^T * "
-                   "(v dO^T - delta[None, :]), dk += dS^T q (the launcher multiplies by sm_scale)")
+              hint=lesson07.over_bound_hint(
+                  dk, dk_ref, tol_k, sd_k, rounding_fix=rounding,
+                  logic_fix="dS^T = P^T * (v dO^T - delta[None, :]), dk += dS^T q (the launcher multiplies by "
+                            "sm_scale); dV passed, so P^T is right"))
+
+
+# ------------------------------------------------------------------ what the numbers cannot show
+def _lo_probe_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, LO, N, Nk, qk_scale,
+                     INNER: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,  # noqa: F821
+                     BLOCK_N: tl.constexpr):  # noqa: F821
+    """One program of BLOCK_N keys calling the learner's inner loop on query rows LO..N-1, not causal; rows
+    before LO hold NaN in q, dO, lse2 and delta, so a loop that starts anywhere but lo reads NaN. jit-compiled
+    lazily with ``tl`` in its globals (``_lo_probe``)."""
+    offs_n = tl.arange(0, BLOCK_N)                                                 # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM)                                                # [D]
+    kv = offs_n[:, None] * HEAD_DIM + offs_d[None, :]                              # [BLOCK_N, D]
+    k = tl.load(K + kv)
+    v = tl.load(V + kv)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk, dv = INNER(dk, dv, k, v, Q, DO, LSE2, DELTA, LO, N, offs_n, N, Nk, qk_scale, HEAD_DIM, BLOCK_M, False)
+    tl.store(DK + kv, dk)
+    tl.store(DV + kv, dv)
+
+
+def _lo_probe():
+    import types
+
+    import triton
+    import triton.language as tl
+    scope = dict(globals(), tl=tl, triton=triton)
+    return triton.jit(types.FunctionType(_lo_probe_kernel.__code__, scope, _lo_probe_kernel.__name__))
+
+
+def _check_lo(g, inner):
+    """The launcher skips query blocks a key block cannot see (causal: lo > 0); the loop must start at lo."""
+    BLOCK_M = BLOCK_N = D = 16
+    N, LO = 48, 16
+    dtype = _dtypes()[0]
+    gen = torch.Generator().manual_seed(810)
+    q, do = _randn(gen, N, D, dtype=dtype), _randn(gen, N, D, dtype=dtype)
+    k, v = _randn(gen, BLOCK_N, D, dtype=dtype), _randn(gen, BLOCK_N, D, dtype=dtype)
+    scale = 1 / math.sqrt(D)
+    s = (q.double().cpu() @ k.double().cpu().T) * scale                              # [N, BLOCK_N]
+    lse = torch.logsumexp(s, 1)                                                       # [N]
+    p = torch.exp(s - lse[:, None])                                                   # [N, BLOCK_N]
+    dp = do.double().cpu() @ v.double().cpu().T
+    delta = (p * dp).sum(1)                                                           # [N] = rowsum(dO * O)
+    rows = slice(LO, N)
+    dv_ref = p[rows].T @ do.double().cpu()[rows]
+    dk_ref = (p[rows] * (dp[rows] - delta[rows, None])).T @ q.double().cpu()[rows]    # unscaled: the launcher scales
+    lse2, delta32 = (lse * LOG2E).float(), delta.float()
+    for t in (q, do):
+        t[:LO] = float("nan")
+    lse2[:LO], delta32[:LO] = float("nan"), float("nan")
+    dk = torch.empty(BLOCK_N, D, dtype=torch.float32, device=q.device)
+    dv = torch.empty_like(dk)
+    g.case = Case(f"the loop starts at lo: keys 0..15 against query rows lo = {LO} .. N - 1 = {N - 1}, not causal",
+                  q, k, v, do, note=f"rows 0..{LO - 1} hold NaN (q, dO, lse2, delta): the launcher skips them, "
+                                    "as it skips the blocks a causal key block cannot see")
+    try:
+        _lo_probe()[(1,)](q, k, v, do, lse2.to(q.device), delta32.to(q.device), dk, dv, LO, N, BLOCK_N,
+                          scale * LOG2E, INNER=inner, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    except Exception as e:  # noqa: BLE001 - the learner's loop, called as the course's kernel calls it
+        g.fail(f"your dkdv_inner raised {type(e).__name__} when called with lo = {LO}: {e}",
+               hint="dkdv_inner must work for any lo (a multiple of BLOCK_M) and hi")
+    tol = 2e-2 * (1 + max(dk_ref.abs().max().item(), dv_ref.abs().max().item()))
+    lo_hint = ("your loop visited query rows before lo: the launcher passes lo so that a key block skips the "
+               "query blocks that cannot see it (causal); loop `for start_m in range(lo, hi, BLOCK_M)`")
+    g.compare(dv.cpu(), dv_ref, "dv", rtol=0.0, atol=tol, nan_hint=lo_hint,
+              hint="dV over query rows lo..hi - 1 only: " + lo_hint)
+    g.compare(dk.cpu(), dk_ref, "dk", rtol=0.0, atol=tol, nan_hint=lo_hint,
+              hint="dK over query rows lo..hi - 1 only: " + lo_hint)
+    g.count()
+
+
+def _check_exp2(g, inner):
+    """The lesson's kernel exponentiates in base 2; tl.exp with ln 2 folded back gives the same numbers."""
+    src = getattr(inner, "src", None)       # a JITFunction's; under the interpreter, the Python function's
+    if not isinstance(src, str):
+        try:
+            src = inspect.getsource(getattr(inner, "fn", inner))
+        except (OSError, TypeError):
+            return
+    code = "\n".join(line.split("#")[0] for line in src.splitlines())
+    if re.search(r"\btl\s*\.\s*(math\s*\.\s*)?exp\s*\(", code):
+        g.fail("your dkdv_inner calls tl.exp: the right numbers, the wrong instruction",
+               hint="qk_scale and the launcher's lse2 are in base 2 so that P^T = tl.math.exp2(qk^T * qk_scale - "
+                    "lse2[None, :]) is one exp2 per score (the GPU's native exponential); tl.exp with the ln 2 "
+                    "folded back multiplies every score once more to undo what the launcher folded in")
 
 
 @exercise("dkdv_inner", arg_names=["q", "k", "v", "do"],
@@ -210,4 +304,6 @@ def dkdv_inner(g):
                 out = g.call(pcase, fn=lambda *a, _x=(q, k, v, do), **kw: run(*_x, **kw))
                 _compare(g, out, pcase, bugs_dv, bugs_dk)
                 g.count()
+    _check_lo(g, g.learner_fn)
+    _check_exp2(g, g.learner_fn)
     return None

@@ -4,8 +4,9 @@
 process group per world size, every input of that size in it) and compared, rank by rank,
 with float64 SDPA on the whole sequence (``helpers.reference.attention``). What the
 launcher measured on each rank is checked too: bytes sent and received (P-1 chunks of K
-and V), no collective moving K/V, at most 2 K/V chunks alive at once, and the causal work
-(matmul FLOPs) per rank: no invisible chunk computed, and zigzag balanced (max/min <= 1.1).
+and V, in their dtype), sent only to the next rank and received only from the previous one, no
+collective moving K/V, nothing taken out of torch, at most 2 K/V chunks alive at once, compute
+while a receive is in flight (overlap), and the causal work (matmul FLOPs) per rank: no invisible chunk computed, and zigzag balanced (max/min <= 1.1).
 The known mistakes are modelled by a one-process simulation of the ring (``_simulate``).
 """
 from __future__ import annotations
@@ -243,6 +244,16 @@ def _exception_hint(type_name, msg):
         return ""
 
 
+def _distributed_hint(e):
+    """A hint for an error raised inside torch.distributed (the last frame of the rank's traceback is there)."""
+    frames = [line for line in (e.details or "").splitlines() if line.strip().startswith("File ")]
+    if not any("torch/distributed" in f.replace("\\", "/") for f in frames):
+        return ""
+    return ("the error came from inside torch.distributed, in the call on your line: a send and its receive (or "
+            "every rank's part of a collective) must match, the same shape and dtype on both sides, in the same "
+            "order on every rank; ring attention needs no collective, only isend/irecv (batch_isend_irecv)")
+
+
 def _run_batch(g, P, cases):
     jobs = []
     for c in cases:
@@ -256,7 +267,7 @@ def _run_batch(g, P, cases):
             g.fail(f"the launcher cannot send your function to the worker processes: {e}")
         except L.RingError as e:
             case = cases[e.job] if e.job is not None and e.job < len(cases) else cases[0]
-            hint = e.hint or _exception_hint(e.kind, str(e))
+            hint = e.hint or _distributed_hint(e) or _exception_hint(e.kind, str(e))
             g.fail(str(e), hint=hint, case=case)
 
     batch = Case(f"world_size={P}: {len(cases)} inputs in one process group",
@@ -283,20 +294,58 @@ def _check_stats(g, case, results):
             g.fail(f"rank {r} called a collective ({op}, {b:,} bytes)",
                    hint="an all-gather of K and V puts the whole sequence's K/V on every rank: the memory ring "
                         "attention exists to avoid. Pass one chunk at a time to the next rank (isend/irecv)")
+        if s.escaped:
+            g.fail(f"rank {r} took {s.escaped:,} bytes of K/V out of torch (.numpy() or .tolist())",
+                   hint="keep K/V chunks as torch tensors and compute with torch: a numpy or Python copy is "
+                        "invisible to the checker's count of chunks held and of work done (on a GPU it is a "
+                        "copy to the host); a list of them is an all-gather, and work on a chunk a rank cannot "
+                        "see is to be skipped, not done elsewhere")
+        wire = sorted({dt for dt in s.send_dtypes if dt != str(k.dtype).replace("torch.", "")})
+        if wire:
+            g.fail(f"rank {r} sent {wire[0]} tensors; the chunks are {str(k.dtype).replace('torch.', '')}",
+                   hint="send K and V in their own dtype: an upcast copy on the wire doubles the bytes (float64 "
+                        "is 8 bytes an element). Compute in higher precision after receiving, if you want to")
         if s.bytes_sent != want or s.bytes_recv != want:
             g.fail(f"rank {r} sent {s.bytes_sent:,} and received {s.bytes_recv:,} bytes; a ring passes P - 1 = "
                    f"{P - 1} chunks of K and V, {want:,} bytes each way",
                    hint="every rank sends the K/V chunk it holds to (rank + 1) % P and receives the next from "
                         "(rank - 1) % P, P - 1 times (the last chunk need not travel on)" if s.bytes_sent > want else
                         "some chunk did not go round the whole ring: P - 1 transfers of K and V per rank")
+        nxt, prv = (r + 1) % P, (r - 1) % P
+        peers_out, peers_in = sorted(set(s.send_to)), sorted(set(s.recv_from) - {-1})
+        if P > 2 and peers_out == [prv] and peers_in in ([], [nxt]):
+            g.fail(f"rank {r} sent to rank {prv} and received from rank {nxt}: the ring turns the other way",
+                   hint="the lesson's ring sends to (rank + 1) % P and receives from (rank - 1) % P, so that at "
+                        "step t a rank holds the chunk of rank (rank - t) % P; keep that direction")
+        if peers_out != [nxt] or peers_in not in ([], [prv]):
+            g.fail(f"rank {r} sent to rank(s) {peers_out} and received from {peers_in or ['any']}; a ring sends "
+                   f"only to its next rank, {nxt}, and receives only from its previous one, {prv}",
+                   hint="each step passes the chunk in hand one hop: send to (rank + 1) % P, receive from "
+                        "(rank - 1) % P (on GPUs these are the NVLink neighbours; sending to rank + t crosses "
+                        "the ring)")
         if s.peak_chunks > 2.0 + 1e-9:
             g.fail(f"rank {r} held {s.peak_chunks:.3g} chunks of K/V at once (received buffers and copies); "
                    f"a ring needs 2: the one in hand and the one in flight",
                    hint="don't collect the chunks (a list of them is an all-gather). Allocate the next receive "
                         "buffers, wait, then swap them in; the request objects from isend/batch_isend_irecv keep "
                         "their tensors alive until you drop them (reqs = None after waiting)")
-    if not causal:
-        return
+    if causal:
+        _check_causal_work(g, case, results)
+    for r, res in enumerate(results):
+        s = res.stats
+        if P > 1 and s.flops > 0 and s.overlapped and not any(f > 0 for f in s.overlapped):
+            g.fail(f"rank {r} computed nothing while a receive was in flight: each of its {len(s.overlapped)} "
+                   "receives was waited for before any attention",
+                   hint="post the transfer first (dist.batch_isend_irecv, or isend/irecv), compute on the chunk in "
+                        "hand, then wait: the transfer hides behind the compute. Waiting right after posting "
+                        "(or a blocking send/recv) serialises them")
+
+
+def _check_causal_work(g, case, results):
+    """Causal: no invisible chunk computed (matmul FLOPs per rank), zigzag balanced."""
+    P, layout = case.kwargs["world_size"], case.kwargs["layout"]
+    B, H, N, d = case.args[0].shape
+    n = N // P
     flops = [res.stats.flops for res in results]
     if layout == "contiguous":
         block = 4 * B * H * n * n * d

@@ -3,7 +3,9 @@
 References: the program map of the course's varlen kernel (``helpers.triton_varlen.varlen_block_map``;
 ``helpers.lesson10.varlen_block_map_ref`` restates it without Triton, and a test keeps the three equal);
 the checker's own expectation is a plain loop over (sequence, block) with knobs for the bugs. The page lookup
-is checked against the contiguous cache the pool was filled from, never against a lookup.
+is checked against the contiguous cache the pool was filled from, never against a lookup; a right answer must
+also have read no padding entry of the table (the entries are followed through the learner's torch ops) and
+done no arithmetic on the pool (a one-hot matmul). Block sizes include non-powers of two, as the lesson allows.
 Layouts (the library's): ``cu_seqlens`` int32 ``[B + 1]``; pools ``[num_blocks, block_size, Hkv, d]``,
 ``block_table`` int32 ``[B, max_blocks]``, ``cache_seqlens`` int32 ``[B]``.
 """
@@ -65,6 +67,8 @@ def _map_cases():
         _map_case("every sequence empty", [0, 0, 0], 4, note="no real block: every entry is a spare (-1, -1)"),
         _map_case("BLOCK_M = 1 (one program per token)", [3, 1, 0, 2], 1),
         _map_case("BLOCK_M larger than every sequence", [7, 3, 12], 64),
+        _map_case("BLOCK_M = 3 (an int >= 1, not a power of two)", [7, 0, 9, 2, 12], 3,
+                  note="cdiv by shifts ((n + 3 - 1) >> 1) is wrong here: divide"),
         _map_case("random: 12 sequences of 0..70 tokens, BLOCK_M = 16", random12, 16),
         _map_case("long-tailed: 40 sequences, BLOCK_M = 32",
                   long_tailed_lengths(40, seed=7, median=24, max_len=300), 32),
@@ -122,8 +126,21 @@ def _bug_models(cu, BLOCK_M):
             yield hint, lambda kw=kw: _map_model(cu, BLOCK_M, **kw)
 
 
-def _int32_1d(g, t, what):
+def _plain_tensor(g, t, what):
+    """A dense tensor with its numbers in memory: a sparse or meta tensor gets a verdict, not a traceback."""
     g.expect_tensor(t, what)
+    if t.layout != torch.strided:
+        g.fail(f"`{what}` is a {str(t.layout).replace('torch.', '')} tensor, expected a dense one",
+               hint="return plain dense tensors (torch.tensor(...), torch.empty(...)): convert with .to_dense()")
+    if t.device.type == "meta":
+        g.fail(f"`{what}` is on the meta device: it has a shape but no numbers",
+               hint="build the result on the inputs' device (torch.tensor(..., device=cu_seqlens.device)), "
+                    "never device='meta'")
+    return t
+
+
+def _int32_1d(g, t, what):
+    _plain_tensor(g, t, what)
     if t.dtype != torch.int32:
         g.fail(f"`{what}` has dtype {t.dtype}, expected torch.int32",
                hint="the kernel's program map is int32, like cu_seqlens: convert with .to(torch.int32) "
@@ -225,6 +242,10 @@ def _gather_cases():
                    max_blocks=6, seed=7, note="entries 3..5 of the row are padding (out of range here)"),
         _pool_case("many small blocks, MQA (Hkv = 1), d = 8", [30, 11, 50], 2, block_size=2, Hkv=1, d=8,
                    max_blocks=25, seed=8),
+        _pool_case("block_size 3 (not a power of two), padding entries 0", [10, 17, 4], 1, block_size=3,
+                   max_blocks=9, pad=0, seed=9, note="t >> 1 and t & 2 are not t // 3 and t % 3: only the division "
+                                                      "is right for every block size"),
+        _pool_case("block_size 6, padded table", [13, 25], 1, block_size=6, max_blocks=7, seed=10),
     ]
 
 
@@ -256,6 +277,10 @@ def _gather_bugs():
         Bug("off by one token: positions run from 0 to cache_seqlens[b] - 1 (torch.arange(n)), so every token "
             "came from its neighbour", _gather_model(shift=1)),
         Bug("the wrong row of block_table: sequence b's blocks are in block_table[b]", _gather_model(seq_row=lambda b: 0)),
+        Bug("t >> log2(block_size) and t & (block_size - 1) are t // block_size and t % block_size only for a power "
+            "of two; block sizes need not be one: divide, t // block_size and t % block_size",
+            _gather_model(page=lambda t, bs, tab, b: tab[b, t >> (bs.bit_length() - 1)].long(),
+                          row=lambda t, bs: t & (bs - 1))),
     ]
 
 
@@ -271,7 +296,7 @@ def _check_gather(g, out, case):
     k_pages, table, seqlens, b = case.args
     want = case.want
     n, bs = int(seqlens[b]), k_pages.shape[1]
-    g.expect_tensor(out, "k")
+    _plain_tensor(g, out, "k")
     if tuple(out.shape) != tuple(want.shape):
         rows = out.shape[0] if out.dim() == 3 else None
         if rows == -(-n // bs) * bs and rows != n:
@@ -288,11 +313,129 @@ def _check_gather(g, out, case):
               hint="token t of sequence b is row t % block_size of block block_table[b, t // block_size]")
 
 
+# ops that move elements without computing with them, and ops that look elements up in their first argument
+_COPIES = {"_to_copy", "clone", "contiguous", "copy_", "alias", "lift_fresh", "detach", "_unsafe_view"}
+_LOOKUPS = {"index", "index_select", "gather", "take", "_unsafe_index"}
+_PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "mv", "dot", "matmul", "einsum", "tensordot"}
+
+
+def _watch_class():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Watch(TorchDispatchMode):
+        """Follows the entries of ``block_table`` (and whole copies of them) through the learner's torch ops:
+        ``padding_read`` names the first op that computed with, or looked blocks up by, a padding entry of
+        row b; ``pool_math`` the first product or pointwise op on the pool (a one-hot matmul reads it all).
+        A lookup ``table[b, idx]`` reads only the entries ``idx`` picks (the answer's origin: the same op
+        applied to the origin map)."""
+
+        def __init__(self, table, padding, pages):
+            super().__init__()
+            self.origins, self.padding = {}, padding          # storage -> (itemsize, int64 origin per element)
+            self.pages = pages.untyped_storage().data_ptr()
+            self.padding_read = self.pool_math = None
+            self.add(table, torch.arange(table.numel()).reshape(table.shape))
+
+        def add(self, t, idx):
+            st = t.untyped_storage()
+            n = st.nbytes() // t.element_size()
+            origin = torch.full((n,), -1, dtype=torch.int64)
+            if t.numel():
+                origin.as_strided(t.shape, t.stride(), t.storage_offset()).copy_(idx.reshape(t.shape))
+            self.origins[st.data_ptr()] = (t.element_size(), origin, t)
+
+        def origin(self, t):
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+                return None
+            hit = self.origins.get(t.untyped_storage().data_ptr())
+            if hit is None or hit[0] != t.element_size() or t.numel() == 0:
+                return None
+            try:
+                return hit[1].as_strided(t.shape, t.stride(), t.storage_offset())
+            except RuntimeError:
+                return None
+
+        def reads_padding(self, idx):
+            idx = idx[idx >= 0]
+            return bool(self.padding[idx].any()) if idx.numel() else False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func.overloadpacket.__name__
+            if func.is_view:
+                return out
+            if self.pool_math is None and (name in _PRODUCTS or torch.Tag.pointwise in func.tags
+                                           or torch.Tag.reduction in func.tags):
+                if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.pages
+                       for t in tree_flatten((args, kwargs))[0]):
+                    self.pool_math = name
+            first = args[0] if args else None
+            o_first = self.origin(first)
+            if name in _COPIES and o_first is not None and isinstance(out, torch.Tensor) and name != "copy_":
+                self.add(out, o_first)
+                return out
+            if name == "copy_" and len(args) > 1 and self.origin(args[1]) is not None:
+                self.add(args[0], self.origin(args[1]).expand(args[0].shape))
+                return out
+            if name in _LOOKUPS and o_first is not None and isinstance(out, torch.Tensor):
+                picked = func(o_first, *args[1:], **kwargs)        # the same lookup, on the origin map
+                if picked.shape == out.shape:
+                    self.add(out, picked)
+                rest = tree_flatten((args[1:], kwargs))[0]
+            else:
+                rest = tree_flatten((args, kwargs))[0]
+            if self.padding_read is None:
+                for t in rest:
+                    o = self.origin(t)
+                    if o is not None and self.reads_padding(o.reshape(-1)):
+                        self.padding_read = name
+                        break
+            return out
+
+    return Watch
+
+
+def _watched(g, case, seen):
+    """The learner's function on the case's copies, under the table watch (``seen[0]``: the watch)."""
+    k_pages, table, seqlens, b = case.args
+    padding = torch.zeros(table.shape, dtype=torch.bool)
+    padding[b, -(-int(seqlens[b]) // k_pages.shape[1]):] = True
+
+    def run(k_pages, block_table, cache_seqlens, b):
+        with _watch_class()(block_table, padding.reshape(-1), k_pages) as w:
+            seen[:] = [w]
+            return g.fn(k_pages, block_table, cache_seqlens, b)
+    run.__name__ = getattr(g.learner_fn, "__name__", "gather_kv")
+    return run
+
+
+def _check_reads(g, w, case):
+    """After a right answer: it read no padding entry of the table and did no arithmetic on the pool."""
+    k_pages, table, seqlens, b = case.args
+    n_blocks = -(-int(seqlens[b]) // k_pages.shape[1])
+    if w.padding_read is not None:
+        g.fail(f"your function read the padding entries of block_table[{b}] (entries {n_blocks}.."
+               f"{table.shape[1] - 1}; the sequence has {n_blocks} blocks) in aten.{w.padding_read}",
+               hint="only the first cdiv(cache_seqlens[b], block_size) entries of block_table[b] are the "
+                    "sequence's blocks; the rest are padding and may hold anything. Making them valid "
+                    "(clamp, % num_blocks) and dropping their rows afterwards still reads them: look up "
+                    "block_table[b, t // block_size] for the real tokens t only")
+    if w.pool_math is not None:
+        g.fail(f"your function computed with the whole pool k_pages (aten.{w.pool_math})",
+               hint="a gather is a lookup, not arithmetic: a one-hot matrix times the pool reads every "
+                    "block of every sequence (num_blocks * block_size rows) to keep n. Index it: "
+                    "k_pages[blocks, t % block_size]")
+
+
 @exercise("gather_kv", arg_names=["k_pages", "block_table", "cache_seqlens", "b"],
           reference="the contiguous cache the pool was filled from")
 def gather_kv(g):
     for case in _gather_cases():
-        out = g.call(case, error_hint=_EMPTY_HINT if "empty" in case.name else _INDEX_HINT)
+        seen = []
+        out = g.call(case, fn=_watched(g, case, seen), error_hint=_EMPTY_HINT if "empty" in case.name else _INDEX_HINT)
         _check_gather(g, out, case)
+        _check_reads(g, seen[0], case)
         g.count()
     return f"{g.cases} cases match the contiguous cache, bit for bit (shuffled pools, padded tables)"
