@@ -754,6 +754,12 @@ def _tensor_to_array(rec, t, arr):
             rec.prov.add_copy_array(prov[0], prov[1], arr)   # __array__(dtype) made a copy
         rec.keep.append(t)
         return arr.view(_TrackedArray)
+    if arr.size and rec.prov.of_array(arr) is not None:
+        # a piece of an input, sharing its memory: a load when an op reads it (np.zeros_like(piece) reads nothing)
+        out = arr.view(_TrackedArray)
+        out._tile = rec.new_tile()
+        rec.keep.append(t)
+        return out
     entry = rec._read_entry(t)
     if entry is not None:
         rec.events.append(("numpy", [entry], []))
