@@ -290,3 +290,120 @@ def test_check_o_lse_is_the_one_o_lse_tail():
     for path in sorted((ROOT / "helpers" / "check").glob("lesson0[3-6].py")):
         src = path.read_text()
         assert 'g.expect_tuple(out, 2, "(O, lse)")' not in src, path.name
+
+
+# ------------------------------------------------------------------ issue 21: verdicts, limits, crashes
+def test_relative_error_has_a_floor_when_the_reference_is_zero():
+    g = Grader("demo", fn=None)
+    g.case = Case("Nk = 1")
+    g.compare(torch.tensor([3e-8, 1e-9]), torch.tensor([0.0, 0.0]), "O", rtol=1e-4, atol=1e-5)
+    assert g.max_rel_err < 1e-2, g.max_rel_err            # was 3e+22: 3e-8 over a scale of 1e-30
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta"])
+def test_a_sparse_or_meta_output_gets_a_verdict_not_a_traceback(kind):
+    def odd(m1, l1, m2, l2):
+        m, l = _merge(m1, l1, m2, l2)
+        return (m.to_sparse(), l.to_sparse()) if kind == "sparse" else (m.to("meta"), l.to("meta"))
+    msg = rejects(check.merge_ml, odd, "❌ merge_ml", "`m` is", "hint:")
+    assert ("sparse" in msg) if kind == "sparse" else ("meta device" in msg)
+    assert "Traceback" not in msg
+
+
+def test_a_blocking_c_call_is_stopped_by_the_limit(monkeypatch):
+    monkeypatch.setenv("COURSE_CASE_TIMEOUT", "0.5")
+
+    def sleeps(m1, l1, m2, l2):
+        time.sleep(30)                       # one long C call: the timer thread alone never stopped it
+    t0 = time.monotonic()
+    rejects(check.merge_ml, sleeps, "still running after 0.5 s")
+    assert time.monotonic() - t0 < 10
+
+
+def test_the_limit_never_interrupts_an_import(tmp_path):
+    """A fresh process: the limit fires while `import sympy` runs (0.3 s or more); the module must come out whole."""
+    import subprocess
+    import sys
+    script = tmp_path / "import_under_limit.py"
+    script.write_text(
+        "import sys\n"
+        "from helpers.checking import CaseTimeout, call_with_limit\n"
+        "assert 'sympy' not in sys.modules\n"
+        "def slow():\n"
+        "    import sympy\n"
+        "    while True:\n"
+        "        pass\n"
+        "try:\n"
+        "    call_with_limit(slow, limit=0.01)\n"
+        "except CaseTimeout:\n"
+        "    print('stopped')\n"
+        "import sympy\n"
+        "print(sympy.core.Symbol('x'), sympy.Integer(2) + 1)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["stopped", "x", "3"]
+
+
+def test_the_timer_thread_also_waits_for_an_import(monkeypatch):
+    """Off the main thread (and on Windows) the limit is a timer thread; it too holds back during an import."""
+    import threading
+    monkeypatch.setattr(checking, "_use_signal", lambda: False)
+    seen = {}
+    calls = iter([True, True, False])
+    monkeypatch.setattr(checking, "_importing", lambda: next(calls, False))
+
+    def spin():
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5:
+            pass
+    def run():
+        try:
+            checking.call_with_limit(spin, limit=0.05)
+        except checking.CaseTimeout:
+            seen["after"] = True
+    th = threading.Thread(target=run)
+    t0 = time.monotonic()
+    th.start()
+    th.join()
+    assert seen.get("after") and 0.1 <= time.monotonic() - t0 < 4     # two retries of 0.05 s, then stopped
+
+
+def test_the_course_reference_is_named_in_the_verdict(capsys):
+    from helpers.lesson02 import flash_attn_v1_ref
+    check.flash_attn_v1(flash_attn_v1_ref)
+    assert "this is the course's reference, helpers.lesson02.flash_attn_v1_ref" in capsys.readouterr().out
+
+
+def _score_matrix_checker():
+    """An exercise with one metered case and the default budget: nothing as large as the N x Nk scores."""
+    from helpers.checking import exercise
+    rng = torch.Generator().manual_seed(0)
+    q, k = torch.randn(128, 2, generator=rng), torch.randn(128, 2, generator=rng)
+
+    @exercise("_demo_budget", arg_names=["q", "k"])
+    def grade(g):
+        g.measure(Case("metered", q, k))
+        return "ok"
+    return grade
+
+
+def test_every_measure_holds_the_default_budget_in_any_form():
+    demo = _score_matrix_checker()
+    try:
+        def lists(q, k):                       # the scores as Python lists: invisible to the meter's FLOPs
+            Q, K = q.tolist(), k.tolist()
+            S = [[a[0] * b[0] + a[1] * b[1] for b in K] for a in Q]
+            return torch.tensor([max(r) for r in S])
+        rejects(demo, lists, "Python objects and numpy arrays", "N x Nk scores (16,384 elements)")
+
+        def kept_tiles(q, k):                  # every tile kept alive in a list: no one tensor is large
+            tiles = [q[i:i + 16] @ k.T for i in range(0, 128, 16)] + [q @ k.T]
+            return torch.stack([t.amax() for t in tiles])
+        rejects(demo, kept_tiles, "elements in torch tensors at once")
+
+        def tiled(q, k):
+            return torch.cat([(q[i:i + 16] @ k.T).amax(1) for i in range(0, 128, 16)])
+        demo(tiled)
+    finally:
+        checking.REGISTRY.pop("_demo_budget", None)
