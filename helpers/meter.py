@@ -322,10 +322,14 @@ class _TrackedList(list):
         return v
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
+        if isinstance(i, slice):   # a tile: one load of its elements, then a plain list (SRAM), read for free
             idx = range(len(self))[i]
-            return _TrackedList([list.__getitem__(self, j) for j in idx], [self._origin[j] for j in idx],
-                                self._name, self._rec)
+            items = [list.__getitem__(self, j) for j in idx]
+            origins = _flat_origins([self._origin[j] for j in idx])
+            if origins:
+                with self._rec.quiet():
+                    self._rec.note_read(self._name, torch.tensor(origins), "tolist[a:b]")
+            return [_plain(v) for v in items]
         return self._read(i)
 
     def __iter__(self):
@@ -341,6 +345,20 @@ class _TrackedList(list):
 
     def copy(self):
         return self[:]
+
+
+def _flat_origins(origin) -> list:
+    out = []
+    for o in origin:
+        if isinstance(o, list):
+            out += _flat_origins(o)
+        elif o >= 0:
+            out.append(o)
+    return out
+
+
+def _plain(v):
+    return [_plain(x) for x in list.__iter__(v)] if isinstance(v, list) else v
 
 
 def _wrap_list(values, origin, name, rec):

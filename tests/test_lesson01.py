@@ -305,3 +305,23 @@ def blockwise_numpy_state(x, Bc):                 # correct: (m, l) kept in nump
 
 def test_blockwise_with_numpy_zeros_like_passes():
     check.blockwise_stats(blockwise_numpy_state)
+
+
+def blockwise_in_lists(x, Bc):                    # correct: blocks sliced out of x.tolist(), read twice each
+    rows = x.tolist()
+    ms, ls = [-math.inf] * len(rows), [0.0] * len(rows)
+    for j in range(0, len(rows[0]), Bc):
+        for r in range(len(rows)):
+            b = rows[r][j:j + Bc]                 # a slice is one load of the block; its values are then local
+            mb = max(b)
+            if mb == -math.inf:
+                continue
+            lb = sum(math.exp(v - mb) for v in b)
+            mn = max(ms[r], mb)
+            ls[r] = ls[r] * math.exp(ms[r] - mn) + lb * math.exp(mb - mn)
+            ms[r] = mn
+    return torch.tensor(ms, dtype=x.dtype), torch.tensor(ls, dtype=x.dtype)
+
+
+def test_blockwise_in_python_lists_passes():
+    check.blockwise_stats(blockwise_in_lists)

@@ -286,3 +286,29 @@ def v2_numpy_zeros_like(q, k, v, Br=4, Bc=3):
 
 def test_v2_with_numpy_zeros_like_passes():
     check.flash_attn_v2(v2_numpy_zeros_like)
+
+
+def v2_in_lists(q, k, v, Br=4, Bc=3):
+    """Correct V2 in Python lists: tiles are slices of q.tolist(), k.tolist(), v.tolist(), loaded once each."""
+    Q, K, V = q.tolist(), k.tolist(), v.tolist()
+    d, scale = len(V[0]), 1 / math.sqrt(len(Q[0]))
+    O, L = [], []
+    for i in range(0, len(Q), Br):
+        Qi = Q[i:i + Br]                                            # [Br][d], loaded once
+        acc, m, l = [[0.0] * d for _ in Qi], [-math.inf] * len(Qi), [0.0] * len(Qi)
+        for j in range(0, len(K), Bc):
+            Kj, Vj = K[j:j + Bc], V[j:j + Bc]                       # [Bc][d]
+            for r, qi in enumerate(Qi):
+                s = [sum(a * b for a, b in zip(qi, kj)) * scale for kj in Kj]
+                m_new = max(m[r], max(s))
+                alpha, p = math.exp(m[r] - m_new), [math.exp(x - m_new) for x in s]
+                l[r] = alpha * l[r] + sum(p)
+                acc[r] = [alpha * acc[r][t] + sum(pj * vj[t] for pj, vj in zip(p, Vj)) for t in range(d)]
+                m[r] = m_new
+        O += [[x / l[r] for x in acc[r]] for r in range(len(Qi))]
+        L += [m[r] + math.log(l[r]) for r in range(len(Qi))]
+    return torch.tensor(O, dtype=q.dtype), torch.tensor(L, dtype=q.dtype)
+
+
+def test_v2_in_python_lists_passes():
+    check.flash_attn_v2(v2_in_lists)
