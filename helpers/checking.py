@@ -284,10 +284,12 @@ def _async_raise(thread_id: int, exc) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
-def _importing() -> bool:
-    """True while a module is being imported (by any thread): the limit waits, so that it never leaves a
-    module half loaded (``torch._dynamo``, ``sympy``: a learner's session would stay broken)."""
-    return bool(_bootstrap._module_locks)
+def _importing(before=frozenset()) -> bool:
+    """True while a module is being imported (by any thread), other than those whose import was already under
+    way when the limit was armed (``before``: a check run by a module's own import must still be stopped):
+    the limit waits, so that it never leaves a module half loaded (``torch._dynamo``, ``sympy``: a learner's
+    session would stay broken)."""
+    return bool(set(_bootstrap._module_locks) - before)
 
 
 _RETRY = 0.05   # seconds: how soon the limit tries again when it found an import under way
@@ -314,12 +316,13 @@ def call_with_limit(fn, *args, limit: float | None = None, **kwargs):
     thread_id = threading.get_ident()
     lock = threading.Lock()
     state = {"running": True, "fired": False, "timer": None}
+    before = frozenset(_bootstrap._module_locks)
 
     def fire():
         with lock:
             if not state["running"]:
                 return
-            if _importing():
+            if _importing(before):
                 state["timer"] = threading.Timer(_RETRY, fire)
                 state["timer"].daemon = True
                 state["timer"].start()
@@ -346,11 +349,12 @@ def call_with_limit(fn, *args, limit: float | None = None, **kwargs):
 
 def _call_with_alarm(fn, args, kwargs, limit):
     state = {"running": True}
+    before = frozenset(_bootstrap._module_locks)
 
     def on_alarm(signum, frame):
         if not state["running"]:
             return
-        if _importing():
+        if _importing(before):
             signal.setitimer(signal.ITIMER_REAL, _RETRY)
             return
         state["running"] = False

@@ -358,7 +358,7 @@ def test_the_timer_thread_also_waits_for_an_import(monkeypatch):
     monkeypatch.setattr(checking, "_use_signal", lambda: False)
     seen = {}
     calls = iter([True, True, False])
-    monkeypatch.setattr(checking, "_importing", lambda: next(calls, False))
+    monkeypatch.setattr(checking, "_importing", lambda before=frozenset(): next(calls, False))
 
     def spin():
         t0 = time.monotonic()
@@ -374,6 +374,29 @@ def test_the_timer_thread_also_waits_for_an_import(monkeypatch):
     th.start()
     th.join()
     assert seen.get("after") and 0.1 <= time.monotonic() - t0 < 4     # two retries of 0.05 s, then stopped
+
+
+def test_a_check_run_by_an_import_is_still_stopped(tmp_path, monkeypatch):
+    """The limit waits for imports that start during the call, not for the one under way when it was armed."""
+    import sys
+    monkeypatch.setenv("COURSE_CASE_TIMEOUT", "0.3")
+    (tmp_path / "learner_module_under_import.py").write_text(
+        "import time\n"
+        "from helpers.checking import CaseTimeout, call_with_limit\n"
+        "def spin():\n"
+        "    t0 = time.monotonic()\n"
+        "    while time.monotonic() - t0 < 20:\n"
+        "        pass\n"
+        "try:\n"
+        "    call_with_limit(spin)\n"
+        "    STOPPED = False\n"
+        "except CaseTimeout:\n"
+        "    STOPPED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    t0 = time.monotonic()
+    import learner_module_under_import as mod
+    sys.modules.pop("learner_module_under_import", None)
+    assert mod.STOPPED and time.monotonic() - t0 < 10
 
 
 def test_the_course_reference_is_named_in_the_verdict(capsys):
