@@ -658,11 +658,12 @@ class Grader:
         self.case = case
         fn = fn or self.fn
         args, kwargs = _clone(case.args), _clone(case.kwargs)
-        mem = self._metered(lambda: call_with_limit(meter.python_peak, fn, *args, **kwargs))
+        # fn (g.fn) carries the time limit itself: the meter's own set-up and clean-up (it patches
+        # torch.Tensor.tolist and __iter__ for the call) must never be interrupted
+        mem = self._metered(lambda: meter.python_peak(fn, *args, **kwargs))
         if b.torch:
             args, kwargs = _clone(case.args), _clone(case.kwargs)
-            mem.torch_peak, mem.torch_largest = self._metered(
-                lambda: call_with_limit(meter.torch_peak, fn, *args, **kwargs))
+            mem.torch_peak, mem.torch_largest = self._metered(lambda: meter.torch_peak(fn, *args, **kwargs))
         ts = [t for t in _tensors(case.args) + _tensors(case.kwargs)]
         copy = sum(t.numel() if t.element_size() >= 2 else -(-t.numel() * t.element_size() // 8) for t in ts)
         torch_limit = copy + b.elements

@@ -437,3 +437,20 @@ def test_every_measure_holds_the_default_budget_in_any_form():
         demo(tiled)
     finally:
         checking.REGISTRY.pop("_demo_budget", None)
+
+
+def test_a_hang_in_the_memory_call_gets_a_verdict_and_leaves_torch_as_it_was(monkeypatch):
+    monkeypatch.setenv("COURSE_CASE_TIMEOUT", "0.5")
+    tolist, iterate = torch.Tensor.tolist, torch.Tensor.__iter__
+
+    def hangs_on_long_rows(x):
+        while len(x) > 1000:
+            pass
+        m, l = -math.inf, 0.0
+        for xi in x.tolist():
+            m_new = max(m, xi)
+            if m_new > -math.inf:
+                l, m = l * math.exp(m - m_new) + math.exp(xi - m_new), m_new
+        return m, l
+    rejects(check.online_softmax_stats, hangs_on_long_rows, "still running after 0.5 s", "O(1) memory (metered)")
+    assert torch.Tensor.tolist is tolist and torch.Tensor.__iter__ is iterate
