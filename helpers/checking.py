@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib._bootstrap as _bootstrap
 import json
 import math
 import os
@@ -47,6 +46,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from importlib import _bootstrap
 from pathlib import Path
 
 import torch

@@ -347,7 +347,7 @@ def test_the_limit_never_interrupts_an_import(tmp_path, limit):
         "torch._dynamo.reset()\n"
         "print(sympy.core.Symbol('x'), torch._dynamo.utils.__name__)\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["stopped", "x", "torch._dynamo.utils"]
 

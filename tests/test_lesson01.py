@@ -291,7 +291,7 @@ def test_blockwise_per_row_two_pass_over_floats_rejected():
 
 def blockwise_numpy_state(x, Bc):                 # correct: (m, l) kept in numpy arrays made with np.*_like
     import numpy as np
-    R, n = x.shape
+    n = x.shape[1]
     m = np.full_like(x[:, 0], -math.inf, dtype=np.float64)     # np.*_like reads no element of x
     l = np.zeros_like(x[:, 0], dtype=np.float64)
     for j in range(0, n, Bc):
