@@ -28,11 +28,15 @@ reference; it prints which.
 
 Each call of the learner's function made by a checker has a time limit
 (``COURSE_CASE_TIMEOUT`` seconds, default 60; ``0`` turns it off): a function still running
-then gets ❌ for that case instead of a notebook that hangs. The mechanism works the same
-on Linux, macOS and Windows (no signals): a timer thread raises ``CaseTimeout`` in the
-calling thread with CPython's ``PyThreadState_SetAsyncExc``. The exception arrives at the
-next Python bytecode, so Python loops stop at once, while a single long C call (one huge
-torch op, ``time.sleep``) runs to its end first.
+then gets ❌ for that case instead of a notebook that hangs. On the main thread of Linux and
+macOS a ``SIGALRM`` timer raises ``CaseTimeout``, which also interrupts a blocking C call
+(``time.sleep``, a read); elsewhere (Windows, other threads) a timer thread raises it with
+CPython's ``PyThreadState_SetAsyncExc`` at the next Python bytecode. Either way it waits while
+a module is being imported: interrupted, ``torch._dynamo`` or ``sympy`` stayed half loaded.
+
+Every ``g.measure(case)`` is also held to a working-memory budget (``Budget``; the exercise's
+``@exercise(budget=...)``, else ``default_budget``) once the lesson's own checks passed:
+``Grader.check_memory``.
 """
 from __future__ import annotations
 

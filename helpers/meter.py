@@ -46,6 +46,12 @@ Everything else is "SRAM": tiles and temporaries. Copying a *piece* of an input
   ``escapes``: conversions to Python or numpy (``tolist``, ``numpy``...).
 
 Use: ``r = meter.measure(fn, q, k, v, names=("q", "k", "v"))``; ``print(r)``.
+
+What the provenance cannot follow (Python floats, a list of a whole row) the working memory
+catches: ``working_memory(fn, ...)`` (``torch_peak`` and ``python_peak``, one call each) gives
+the peak elements of the torch tensors alive at once and, through ``tracemalloc``, the peak of
+numpy arrays and Python objects (8 bytes to an element; a Python float in a list costs 4).
+``helpers.checking.Grader.check_memory`` holds a call to an exercise's budget with it.
 """
 from __future__ import annotations
 
