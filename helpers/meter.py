@@ -1014,6 +1014,18 @@ def python_peak(fn, *args, **kwargs) -> Memory:
         if self.numel() in whole:
             state["lists"] += max(tracemalloc.get_traced_memory()[0] - before, 0)
         return values
+
+    class _Counted(np.ndarray):           # x.numpy().tolist() counts like x.tolist()
+        def tolist(self):
+            before = tracemalloc.get_traced_memory()[0]
+            values = self.view(np.ndarray).tolist()
+            if self.size in whole:
+                state["lists"] += max(tracemalloc.get_traced_memory()[0] - before, 0)
+            return values
+
+    def numpy(self, *a, **k):
+        return orig_numpy(self, *a, **k).view(_Counted)
+    orig_numpy = torch.Tensor.numpy
     was_tracing = tracemalloc.is_tracing()
     if not was_tracing:
         tracemalloc.start()
@@ -1021,7 +1033,7 @@ def python_peak(fn, *args, **kwargs) -> Memory:
     gc.set_threshold(100, *threshold[1:])   # cyclic garbage waits less for collection: less noise in the peak
     base = tracemalloc.get_traced_memory()[0]
     tracemalloc.reset_peak()
-    torch.Tensor.tolist, torch.Tensor.__iter__ = tolist, lazy_iter
+    torch.Tensor.tolist, torch.Tensor.__iter__, torch.Tensor.numpy = tolist, lazy_iter, numpy
     grid = _triton_grid()
     grid_call = grid.__call__ if grid is not None else None
     if grid is not None:
@@ -1036,7 +1048,7 @@ def python_peak(fn, *args, **kwargs) -> Memory:
         gc.set_threshold(*threshold)
         if grid is not None:
             grid.__call__ = grid_call
-        del torch.Tensor.tolist
+        del torch.Tensor.tolist, torch.Tensor.numpy
         if own_iter is not None:
             torch.Tensor.__iter__ = own_iter
         else:
