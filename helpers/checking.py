@@ -28,11 +28,15 @@ reference; it prints which.
 
 Each call of the learner's function made by a checker has a time limit
 (``COURSE_CASE_TIMEOUT`` seconds, default 60; ``0`` turns it off): a function still running
-then gets ❌ for that case instead of a notebook that hangs. The mechanism works the same
-on Linux, macOS and Windows (no signals): a timer thread raises ``CaseTimeout`` in the
-calling thread with CPython's ``PyThreadState_SetAsyncExc``. The exception arrives at the
-next Python bytecode, so Python loops stop at once, while a single long C call (one huge
-torch op, ``time.sleep``) runs to its end first.
+then gets ❌ for that case instead of a notebook that hangs. On the main thread of Linux and
+macOS a ``SIGALRM`` timer raises ``CaseTimeout``, which also interrupts a blocking C call
+(``time.sleep``, a read); elsewhere (Windows, other threads) a timer thread raises it with
+CPython's ``PyThreadState_SetAsyncExc`` at the next Python bytecode. Either way it waits while
+a module is being imported: interrupted, ``torch._dynamo`` or ``sympy`` stayed half loaded.
+
+Every ``g.measure(case)`` is also held to a working-memory budget (``Budget``; the exercise's
+``@exercise(budget=...)``, else ``default_budget``) once the lesson's own checks passed:
+``Grader.check_memory``.
 """
 from __future__ import annotations
 
@@ -41,15 +45,19 @@ import functools
 import json
 import math
 import os
+import signal
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
+from importlib import _bootstrap
 from pathlib import Path
 
 import torch
 
 __all__ = ["CheckFailure", "CaseTimeout", "Case", "Grader", "exercise", "REGISTRY", "strict", "Bug",
-           "yours_or_reference", "passed", "case_timeout", "call_with_limit", "attempted"]
+           "yours_or_reference", "passed", "case_timeout", "call_with_limit", "attempted", "Budget",
+           "default_budget"]
 
 _HERE = Path(__file__).resolve().parent
 REGISTRY: dict = {}
@@ -192,6 +200,44 @@ class Bug:
     model: object  # callable(case) -> tensor/number, or tuple of them
 
 
+@dataclass
+class Budget:
+    """The working memory an exercise may use, in elements, beyond one copy of its inputs.
+
+    ``elements``: the allowance (a float64 tensor or numpy array element is one; a Python float in
+    a list costs four: 32 bytes); ``what``: how it reads in the verdict ("O(N·d + Br·Bc)");
+    ``full``: the size of what the lesson must not build (the N x Nk scores), for the verdict;
+    ``hint``: the hint when it is exceeded. See ``Grader.check_memory``.
+    """
+    elements: int
+    what: str
+    full: int = 0
+    hint: str = ""
+    torch: bool = True      # False: count numpy and Python memory only (one call less: a long loop of
+    #                         element reads costs no dispatch-mode call per op)
+
+
+def default_budget(case) -> Budget | None:
+    """Every metered case's budget unless its exercise declares one: nothing as large as the N x Nk scores.
+
+    N and Nk are read off the case's first two tensors (q [..., N, d] and k [..., Nk, d]); the leading
+    dimensions of q (batch, heads) multiply. Cases without two such tensors get no default budget.
+    """
+    ts = [a for a in case.args if isinstance(a, torch.Tensor)]
+    if len(ts) < 2 or ts[0].dim() < 2 or ts[1].dim() < 2 or not ts[0].numel():
+        return None
+    q, k = ts[0], ts[1]
+    N, Nk = q.shape[-2], k.shape[-2]
+    full = q.numel() // (N * q.shape[-1]) * N * Nk
+    inputs = sum(t.numel() for t in ts)
+    return Budget(full + inputs, f"less than the N x Nk scores ({full:,} elements) plus the inputs again", full,
+                  hint="the N x Nk score matrix (or as much in lists, arrays or pieces kept alive) is what "
+                       "FlashAttention never holds: work one tile at a time and keep only the running (m, l, acc)")
+
+
+SLACK = 4 * 1024    # elements (32 KiB) of Python and numpy memory any call may hold: the interpreter's own noise
+
+
 def _clone(v):
     if isinstance(v, torch.Tensor):
         return v.detach().clone()
@@ -242,39 +288,95 @@ def _async_raise(thread_id: int, exc) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
+def _importing(before=frozenset()) -> bool:
+    """True while a module is being imported (by any thread), other than those whose import was already under
+    way when the limit was armed (``before``: a check run by a module's own import must still be stopped):
+    the limit waits, so that it never leaves a module half loaded (``torch._dynamo``, ``sympy``: a learner's
+    session would stay broken)."""
+    return bool(set(_bootstrap._module_locks) - before)
+
+
+_RETRY = 0.05   # seconds: how soon the limit tries again when it found an import under way
+
+
+def _use_signal() -> bool:
+    """SIGALRM where there is one (Linux, macOS) and this is the main thread: it also stops a long C call."""
+    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+
 def call_with_limit(fn, *args, limit: float | None = None, **kwargs):
     """``fn(*args, **kwargs)``, raising ``CaseTimeout`` in this thread once it has run ``limit`` seconds.
 
     ``limit`` defaults to ``case_timeout()``. Nested calls on one thread share the outer limit.
+    On the main thread of Linux and macOS a ``SIGALRM`` timer raises it, which also interrupts a
+    blocking C call (``time.sleep``, a read); elsewhere (Windows, other threads) a timer thread does,
+    at the next Python bytecode. Either way the exception is held back while an import is under way.
     """
     limit = case_timeout() if limit is None else limit
     if not limit or getattr(_limit_state, "active", False):
         return fn(*args, **kwargs)
+    if _use_signal():
+        return _call_with_alarm(fn, args, kwargs, limit)
     thread_id = threading.get_ident()
     lock = threading.Lock()
-    state = {"running": True, "fired": False}
+    state = {"running": True, "fired": False, "timer": None}
+    before = frozenset(_bootstrap._module_locks)
 
     def fire():
         with lock:
-            if state["running"]:
-                state["fired"] = True
-                _async_raise(thread_id, CaseTimeout)
+            if not state["running"]:
+                return
+            if _importing(before):
+                state["timer"] = threading.Timer(_RETRY, fire)
+                state["timer"].daemon = True
+                state["timer"].start()
+                return
+            state["fired"] = True
+            _async_raise(thread_id, CaseTimeout)
 
-    timer = threading.Timer(limit, fire)
-    timer.daemon = True
+    state["timer"] = threading.Timer(limit, fire)
+    state["timer"].daemon = True
     _limit_state.active = True
-    timer.start()
+    state["timer"].start()
     try:
         return fn(*args, **kwargs)
     finally:
         with lock:
             state["running"] = False
             fired = state["fired"]
-        timer.cancel()
+            state["timer"].cancel()
         _limit_state.active = False
         if fired:                    # the exception may still be pending: clear it and raise it here, once
             _async_raise(thread_id, None)
             raise CaseTimeout
+
+
+def _call_with_alarm(fn, args, kwargs, limit):
+    state = {"running": True}
+    before = frozenset(_bootstrap._module_locks)
+
+    def on_alarm(signum, frame):
+        if not state["running"]:
+            return
+        if _importing(before):
+            signal.setitimer(signal.ITIMER_REAL, _RETRY)
+            return
+        state["running"] = False
+        raise CaseTimeout
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    start = time.monotonic()
+    outer = signal.setitimer(signal.ITIMER_REAL, limit)     # (seconds left, interval) of a timer set before
+    _limit_state.active = True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        state["running"] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        _limit_state.active = False
+        if outer[0] > 0:                                    # someone else's alarm: put it back
+            signal.setitimer(signal.ITIMER_REAL, max(outer[0] - (time.monotonic() - start), 1e-3), outer[1])
 
 
 def _time_limited(fn):
@@ -304,8 +406,10 @@ def _where_in_learner_code(tb) -> str:
 class Grader:
     """Calls the learner's function on cases and compares the answers; counts what matched."""
 
-    def __init__(self, name, fn, arg_names=None):
+    def __init__(self, name, fn, arg_names=None, budget=None):
         self.name, self.arg_names = name, arg_names
+        self.budget = budget or default_budget   # callable(case) -> Budget | None: the exercise's budget
+        self._memory_due = []                    # (case, fn, budget) of each g.measure, for finish()
         self.learner_fn = fn                 # the function as the learner passed it
         self.fn = _time_limited(fn)          # the same, with the per-case time limit on each call
         self.case = None
@@ -401,6 +505,7 @@ class Grader:
         if not isinstance(t, torch.Tensor):
             self.fail(f"`{what}` should be a torch.Tensor, got {type(t).__name__}",
                       hint="build the result with torch ops (torch.stack, torch.empty, ...)")
+        self._expect_dense(t, what)
         if shape is not None and tuple(t.shape) != tuple(shape):
             self.fail(f"`{what}` has shape {list(t.shape)}, expected {list(shape)}",
                       hint="check which dimension you reduced over and whether you dropped the last, "
@@ -415,6 +520,15 @@ class Grader:
                       hint="allocate outputs on the inputs' device: torch.empty(..., device=q.device)")
         return t
 
+    def _expect_dense(self, t, what: str):
+        """A sparse, meta or otherwise not-strided tensor has no values to compare: a verdict, not a crash."""
+        if t.layout != torch.strided:
+            self.fail(f"`{what}` is a {str(t.layout).replace('torch.', '')} tensor, expected an ordinary (dense) one",
+                      hint="return a dense tensor: `.to_dense()`, or build it with torch.empty / torch.stack")
+        if t.device.type == "meta":
+            self.fail(f"`{what}` is on the meta device: it has a shape but no values",
+                      hint="allocate outputs on the inputs' device: torch.empty(..., device=q.device)")
+
     def compare(self, got, want, what: str, *, rtol=1e-5, atol=1e-6, bugs=(), hint="", nan_hint=""):
         """Compare ``got`` with the float64 reference ``want``; record the error; fail with the worst index.
 
@@ -422,6 +536,10 @@ class Grader:
         ``nan_hint``). On another mismatch, each ``Bug`` model is computed and, if the
         learner's output matches it, that bug's hint is given; else ``hint``.
         """
+        if isinstance(got, torch.Tensor):
+            self._expect_dense(got, what)
+        elif not isinstance(got, (int, float)) or isinstance(got, bool):
+            self.fail(f"`{what}` should be a number or a tensor, got {type(got).__name__}")
         got_t = got if isinstance(got, torch.Tensor) else torch.tensor(float(got))
         want_t = want if isinstance(want, torch.Tensor) else torch.tensor(float(want))
         g = got_t.detach().to(torch.float64).cpu().reshape(want_t.shape) if got_t.numel() == want_t.numel() \
@@ -438,7 +556,10 @@ class Grader:
         tol = atol + rtol * w.abs().nan_to_num(0, 0, 0)
         bad = bad_nan | bad_inf | (finite & (err > tol))
         scale = w[finite].abs().max().item() if finite.any() else 1.0
-        rel = (err.max().item() / max(scale, 1e-30)) if finite.any() else 0.0
+        # relative to the largest reference value, floored at atol / rtol: a reference of exactly 0 (Nk = 1)
+        # gives the absolute error over that floor, not 3e+22
+        floor = atol / rtol if rtol > 0 else 1.0
+        rel = (err.max().item() / max(scale, floor, 1e-30)) if finite.any() else 0.0
         if not bad.any():
             self.max_rel_err = max(self.max_rel_err, rel)
             return rel
@@ -489,13 +610,15 @@ class Grader:
         return ""
 
     # ----------------------------------------------------------------- metering
-    def measure(self, case: Case, fn=None, names=None):
+    def measure(self, case: Case, fn=None, names=None, budget=None):
         """Meter one call of the learner's function on copies of ``case``'s inputs (``helpers.meter``).
 
         Every idea check goes through here: ``case`` becomes the current case (a failing idea
         check names it), the tensor arguments are named after ``arg_names`` (or ``names``), and an
         error the learner's function raises while metered is a ❌ verdict with this case, never a
-        traceback from the checker. Returns the ``meter.Measurement``.
+        traceback from the checker. Once ``grade(g)`` returns, ``check_memory(case)`` holds the case to the
+        working-memory budget (``budget``, else the exercise's, else ``default_budget``): the lesson's own
+        checks, with their precise hints, come first. Returns the ``meter.Measurement``.
         """
         from . import meter
         self.case = case
@@ -504,11 +627,23 @@ class Grader:
         if names is None:
             names = [self.arg_names[i] if self.arg_names and i < len(self.arg_names) else f"x{i}"
                      for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        r = self._metered(lambda: meter.measure(fn, *args, names=names, **kwargs))
+        self._memory_due.append((case, fn, budget))     # checked once the lesson's own checks passed
+        return r
+
+    def finish(self):
+        """The working-memory checks of the metered cases, after the lesson's own idea checks (whose
+        hints are more precise) passed. The exercise wrapper calls it after ``grade(g)``."""
+        due, self._memory_due = self._memory_due, []
+        for case, fn, budget in due:
+            self.check_memory(case, fn=fn, budget=budget)
+
+    def _metered(self, run):
         try:
-            return meter.measure(fn, *args, names=names, **kwargs)
+            return run()
         except NotImplementedError:
             raise _NotAttempted from None
-        except CheckFailure:
+        except (CheckFailure, CaseTimeout):
             raise
         except Exception as e:  # noqa: BLE001 - any error in learner code becomes a verdict
             where = _where_in_learner_code(e.__traceback__)
@@ -516,6 +651,58 @@ class Grader:
                       f"case): {e}{where}",
                       hint=_hint_for_exception(e) or "the same function passed the cases above: look for "
                       "what differs here (the sizes, the tiles) or for state kept between calls")
+
+    def check_memory(self, case: Case, fn=None, budget=None):
+        """Hold one call on ``case`` to a working-memory budget, whatever holds the memory.
+
+        ``meter.working_memory`` measures the peak of the call's torch tensors and, through
+        ``tracemalloc``, of its numpy arrays and Python objects (lists of floats included). Allowed:
+        one copy of the inputs on each side (``x.double()``, ``np.array(x)``), ``x.tolist()`` of a whole
+        input, 32 KiB of interpreter noise, and the budget: ``budget`` (a ``Budget``, or a callable
+        ``case -> Budget``), else the exercise's ``@exercise(budget=...)``, else ``default_budget``.
+        Returns the ``meter.Memory``, or None when there is no budget.
+        """
+        from . import meter
+        b = budget if budget is not None else self.budget
+        b = b(case) if callable(b) else b
+        if b is None:
+            return None
+        self.case = case
+        fn = fn or self.fn
+        args, kwargs = _clone(case.args), _clone(case.kwargs)
+        # fn (g.fn) carries the time limit itself: the meter's own set-up and clean-up (it patches
+        # torch.Tensor.tolist and __iter__ for the call) must never be interrupted
+        mem = self._metered(lambda: meter.python_peak(fn, *args, **kwargs))
+        if b.torch:
+            args, kwargs = _clone(case.args), _clone(case.kwargs)
+            mem.torch_peak, mem.torch_largest = self._metered(lambda: meter.torch_peak(fn, *args, **kwargs))
+        ts = [t for t in _tensors(case.args) + _tensors(case.kwargs)]
+        copy = sum(t.numel() if t.element_size() >= 2 else -(-t.numel() * t.element_size() // 8) for t in ts)
+        torch_limit = copy + b.elements
+        py_limit = copy + mem.input_lists + b.elements + SLACK
+        full = f"; the N x Nk scores are {b.full:,}" if b.full else ""
+        if mem.torch_peak > torch_limit:
+            big = mem.torch_largest
+            self.fail(f"your function held {mem.torch_peak:,} elements in torch tensors at once (the largest "
+                      f"{list(big.shape)}, made by aten.{big.op}); its budget is {b.what}: {b.elements:,} "
+                      f"elements beyond a copy of the inputs{full}", hint=b.hint)
+        if mem.triton:       # interpreted Triton: its Python memory is the interpreter's, not the kernel's
+            self.notes.append("the working-memory budget saw torch tensors only: a Triton kernel ran, interpreted")
+        elif mem.python_peak > py_limit:
+            self.fail(f"your function held {mem.python_peak * 8 / 1024:,.0f} KiB in Python objects and numpy arrays "
+                      f"at once (a Python float in a list costs 32 bytes, a float64 8); its budget is {b.what}: "
+                      f"{b.elements:,} elements beyond a copy of the inputs, "
+                      f"{(py_limit - mem.input_lists) * 8 / 1024:,.0f} KiB in all{full}", hint=b.hint)
+        return mem
+
+def _tensors(v) -> list:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _tensors(x)]
+    if isinstance(v, dict):
+        return [t for x in v.values() for t in _tensors(x)]
+    return []
 
 
 def _hint_for_exception(e: Exception) -> str:
@@ -562,11 +749,20 @@ def _fail(name: str, message: str):
     print(message + "\n   (the notebook goes on: later cells use the course's reference until this check passes)")
 
 
-def exercise(name: str, arg_names=None, reference: str = "the float64 reference"):
+def _course_reference(fn) -> str:
+    """``helpers.lessonNN.x_ref`` when ``fn`` is one of the course's reference functions, else ''."""
+    mod, fname = getattr(fn, "__module__", "") or "", getattr(fn, "__name__", "") or ""
+    return f"{mod}.{fname}" if mod.startswith("helpers.") and fname.endswith("_ref") else ""
+
+
+def exercise(name: str, arg_names=None, reference: str = "the float64 reference", budget=None):
     """Register ``grade(g) -> str | None`` as the checker ``check.<name>(fn)``.
 
     ``grade`` returns the tail of the pass line; by default "N cases match <reference>,
-    max rel err E".
+    max rel err E". ``budget``: a callable ``case -> Budget | None``, the working memory each
+    ``g.measure`` (and ``g.check_memory``) holds the learner's call to; by default
+    ``default_budget`` (nothing as large as the N x Nk scores). Notes added to ``g.notes`` are
+    appended to the pass line.
     """
     def decorate(grade):
         @functools.wraps(grade)
@@ -574,10 +770,11 @@ def exercise(name: str, arg_names=None, reference: str = "the float64 reference"
             if not callable(fn):
                 _fail(name, f"❌ {name}: pass your function itself, e.g. check.{name}({name}), "
                             f"not a {type(fn).__name__}")
-            g = Grader(name, fn, arg_names)
+            g = Grader(name, fn, arg_names, budget=budget)
             try:
                 try:
                     summary = grade(g)
+                    g.finish()
                 except CaseTimeout:          # a call made outside g.call (a metered one) ran too long
                     g.fail_timeout()
             except _NotAttempted:
@@ -594,6 +791,10 @@ def exercise(name: str, arg_names=None, reference: str = "the float64 reference"
                 return None
             if summary is None:
                 summary = f"{g.cases} cases match {reference}, max rel err {g.max_rel_err:.0e}"
+            ref = _course_reference(fn)
+            notes = g.notes + ([f"this is the course's reference, {ref}, not a function of yours"] if ref else [])
+            if notes:
+                summary += " (" + "; ".join(dict.fromkeys(notes)) + ")"
             _remember(fn, name, "pass")
             _say(name, "pass", f"✅ {name}: {summary}")
             return None

@@ -39,16 +39,28 @@ Everything else is "SRAM": tiles and temporaries. Copying a *piece* of an input
   (``acc / l[:, None]``, ``1 / l``): dividing by a constant (``S / math.sqrt(d)``) is not
   counted;
 - ``noop_masks``: masks applied to a 2-D tile that change nothing (``masked_fill`` with an
-  all-False mask, ``where`` with an all-True condition);
+  all-False mask, ``where`` with an all-True condition, adding ``torch.log(keep.float())`` or
+  multiplying by ``keep`` where keep is all True);
 - ``elementwise``: how many elements each pointwise op made (``div``, ``exp``...),
 - ``ops``: every op name seen, so a checker can spot ``scaled_dot_product_attention``;
   ``escapes``: conversions to Python or numpy (``tolist``, ``numpy``...).
 
 Use: ``r = meter.measure(fn, q, k, v, names=("q", "k", "v"))``; ``print(r)``.
+
+What the provenance cannot follow (Python floats, a list of a whole row) the working memory
+catches: ``working_memory(fn, ...)`` (``torch_peak`` and ``python_peak``, one call each) gives
+the peak elements of the torch tensors alive at once and, through ``tracemalloc``, the peak of
+numpy arrays and Python objects (8 bytes to an element; a Python float in a list costs 4).
+``helpers.checking.Grader.check_memory`` holds a call to an exercise's budget with it.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
+import sys
+import tracemalloc
+import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -58,7 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["measure", "Measurement", "Largest"]
+__all__ = ["measure", "Measurement", "Largest", "working_memory", "torch_peak", "python_peak", "Memory"]
 
 _NP_ARRAY = np.array   # numpy's own, while the meter puts a following version in its place
 
@@ -77,6 +89,13 @@ _POINTWISE_TAG = torch.Tag.pointwise
 _REDUCTION_TAG = torch.Tag.reduction
 _REDUCTIONS = {"_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
 _DIVISIONS = {"div", "div_", "true_divide", "true_divide_", "reciprocal", "reciprocal_"}
+# numpy functions that look at an array's shape and dtype only, like torch's ``zeros_like``: not a read
+_NP_NO_READ = {"empty_like", "zeros_like", "ones_like", "full_like", "shape", "ndim", "size", "result_type",
+               "can_cast", "min_scalar_type", "may_share_memory", "shares_memory"}
+# tensors made from a bool mask (``keep.float()``, ``torch.log(keep.float())``) stay "mask-like" through these
+_MASK_FOLLOW = {"_to_copy", "log", "neg", "mul", "sub", "add", "where", "masked_fill", "logical_not", "bitwise_not",
+                "clone", "expand", "unsqueeze", "view", "reshape", "_unsafe_view", "slice", "select", "t",
+                "transpose", "permute", "rsub"}
 
 
 def _mv_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
@@ -309,10 +328,14 @@ class _TrackedList(list):
         return v
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
+        if isinstance(i, slice):   # a tile: one load of its elements, then a plain list (SRAM), read for free
             idx = range(len(self))[i]
-            return _TrackedList([list.__getitem__(self, j) for j in idx], [self._origin[j] for j in idx],
-                                self._name, self._rec)
+            items = [list.__getitem__(self, j) for j in idx]
+            origins = _flat_origins([self._origin[j] for j in idx])
+            if origins:
+                with self._rec.quiet():
+                    self._rec.note_read(self._name, torch.tensor(origins), "tolist[a:b]")
+            return [_plain(v) for v in items]
         return self._read(i)
 
     def __iter__(self):
@@ -328,6 +351,20 @@ class _TrackedList(list):
 
     def copy(self):
         return self[:]
+
+
+def _flat_origins(origin) -> list:
+    out = []
+    for o in origin:
+        if isinstance(o, list):
+            out += _flat_origins(o)
+        elif o >= 0:
+            out.append(o)
+    return out
+
+
+def _plain(v):
+    return [_plain(x) for x in list.__iter__(v)] if isinstance(v, list) else v
 
 
 def _wrap_list(values, origin, name, rec):
@@ -472,6 +509,7 @@ class _Recorder(TorchDispatchMode):
         self.extra_flops = 0  # numpy matmuls
         self.divisions = 0
         self.noop_masks = 0
+        self.maskish = set()    # ids of tensors made from a bool mask (kept alive in self.keep)
         self.ops = Counter()
         self.escapes = Counter()
         self.tile_of = {}       # id(view tensor) -> tile number (views of views share it)
@@ -538,12 +576,15 @@ class _Recorder(TorchDispatchMode):
         self.numpy_events += 1
         self.ops[op] += 1
         arrays = [x for x in inputs if isinstance(x, np.ndarray)]
-        for a in arrays:
+        base = (ufunc.__name__ if ufunc is not None else func.__name__ if func is not None else op)
+        read = [] if base in _NP_NO_READ else arrays[1:] if base == "copyto" else arrays
+        for a in read:
             self.read_array(a, op)
         outs = [r for r in (result if isinstance(result, tuple) else (result,)) if isinstance(r, np.ndarray)]
         out_size = sum(r.size for r in outs) if outs else 1
         in_size = max((a.size for a in arrays), default=1)
-        base = (ufunc.__name__ if ufunc is not None else func.__name__ if func is not None else op)
+        if base in _NP_NO_READ:
+            in_size = 0
         if base in ("matmul", "dot", "inner", "tensordot", "vdot", "einsum") and len(arrays) >= 2:
             a, b = arrays[0], arrays[1]
             k = a.shape[-1] if a.ndim else 1
@@ -589,10 +630,13 @@ class _Recorder(TorchDispatchMode):
             tile = self.tile_of.get(id(src)) if src is not None else None
             if tile is None:
                 tile = len(self.tile_of) + 1
+            maskish = src is not None and (src.dtype == torch.bool or id(src) in self.maskish)
             for o in tree_flatten(out)[0]:
                 if isinstance(o, torch.Tensor):
                     self.keep.append(o)
                     self.tile_of[id(o)] = tile if not isinstance(out, (list, tuple)) else len(self.tile_of) + 1
+                    if maskish:
+                        self.maskish.add(id(o))
             return out
         if name in _NO_READ:
             return out
@@ -642,6 +686,7 @@ class _Recorder(TorchDispatchMode):
                 self.divisions += produced
         if name in ("masked_fill", "masked_fill_", "where", "index_put", "index_put_"):
             self._noop_mask(name, args, kwargs)
+        self._bias_mask(name, flat_in, outs)
         self.events.append((name, reads, writes))
         return out
 
@@ -661,6 +706,27 @@ class _Recorder(TorchDispatchMode):
         self.prov.add_copy_tensor(prov[0], prov[1], dst[0])
         self.events.append((name, [], []))
         return True
+
+    def _bias_mask(self, name, flat_in, outs):
+        """A mask applied as arithmetic: ``S + torch.log(keep.float())`` or ``P * keep`` on a tile where keep is
+        all True adds 0 (multiplies by 1) everywhere, a mask that changes nothing. Tensors made from a bool
+        tensor are followed (``self.maskish``) through casts, logs and sums."""
+        ins = [t for _n, t in flat_in]
+        if any(t.dtype == torch.bool or id(t) in self.maskish for t in ins) and name in _MASK_FOLLOW:
+            for o in outs:
+                self.keep.append(o)
+                self.maskish.add(id(o))
+        if name not in ("add", "add_", "sub", "sub_", "mul", "mul_") or len(ins) < 2:
+            return
+        a, b = ins[0], ins[1]
+        for tile, bias in ((a, b), (b, a)):
+            if (id(bias) in self.maskish and bias.dtype != torch.bool and id(tile) not in self.maskish
+                    and tile.dtype.is_floating_point and bias.dim() == 2 and bias.shape[0] >= 1
+                    and bias.shape[1] > 1):
+                neutral = 1.0 if name.startswith("mul") else 0.0
+                if bool((bias == neutral).all()):
+                    self.noop_masks += 1
+                return
 
     def _noop_mask(self, name, args, kwargs):
         bools = [t for t in tree_flatten((args, kwargs))[0]
@@ -712,6 +778,12 @@ def _tensor_to_array(rec, t, arr):
             rec.prov.add_copy_array(prov[0], prov[1], arr)   # __array__(dtype) made a copy
         rec.keep.append(t)
         return arr.view(_TrackedArray)
+    if arr.size and rec.prov.of_array(arr) is not None:
+        # a piece of an input, sharing its memory: a load when an op reads it (np.zeros_like(piece) reads nothing)
+        out = arr.view(_TrackedArray)
+        out._tile = rec.new_tile()
+        rec.keep.append(t)
+        return out
     entry = rec._read_entry(t)
     if entry is not None:
         rec.events.append(("numpy", [entry], []))
@@ -824,3 +896,170 @@ def measure(fn, *args, names=None, **kwargs) -> Measurement:
     m.read_sizes, m.read_elements, m.element_reads = dict(sizes), dict(loads), counts
     m.hbm_read_bytes, m.hbm_write_bytes = sum(reads.values()), sum(writes.values())
     return m
+
+
+# ------------------------------------------------------------------ working memory
+@dataclass
+class Memory:
+    """The peak working memory of one call, in elements (see ``working_memory``)."""
+    torch_peak: int = 0     # elements of torch tensors made by the call and alive at once, at the peak
+    python_peak: int = 0    # bytes of Python objects and numpy arrays (tracemalloc), at the peak, / 8
+    input_lists: int = 0    # of which ``.tolist()`` of a whole input (the meter follows those), bytes / 8
+    triton: bool = False    # a Triton kernel ran (interpreted on a CPU: its Python memory is the interpreter's)
+    torch_largest: Largest = field(default_factory=Largest)
+
+    def __str__(self):
+        return (f"torch tensors {self.torch_peak:,} elements at the peak; numpy arrays and Python objects "
+                f"{self.python_peak * 8 / 1024:,.1f} KiB at the peak")
+
+
+class _Live(TorchDispatchMode):
+    """Counts the elements of the tensors an op makes while any tensor of that storage is alive."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
+        self.storages = {}   # data_ptr -> [live tensors, elements]
+        self.refs = {}       # id(tensor) -> weak reference whose callback releases its storage
+        self.live = self.peak = 0
+        self.largest = Largest()
+
+    def _release(self, ptr):
+        entry = self.storages.get(ptr)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] <= 0:
+            del self.storages[ptr]
+            self.live -= entry[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
+            if not isinstance(o, torch.Tensor) or o.is_sparse or o.device.type == "meta":
+                continue
+            try:
+                st = o.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            ptr = st.data_ptr()
+            if not ptr or ptr in self.inputs:
+                continue
+            entry = self.storages.get(ptr)
+            if entry is None:
+                n = st.nbytes() // max(o.element_size(), 1)
+                entry = self.storages[ptr] = [0, n]
+                self.live += n
+                if n > self.largest.numel:
+                    self.largest = Largest(n, tuple(o.shape), func.overloadpacket.__name__)
+                self.peak = max(self.peak, self.live)
+            entry[0] += 1
+            self.refs[id(o)] = weakref.ref(o, functools.partial(self._dead, id(o), ptr))
+        return out
+
+    def _dead(self, key, ptr, _ref):
+        self.refs.pop(key, None)
+        self._release(ptr)
+
+
+def working_memory(fn, *args, **kwargs) -> Memory:
+    """Call ``fn(*args, **kwargs)`` twice and return the peak of its working memory (a ``Memory``).
+
+    Once under a light dispatch mode that counts torch tensors (``torch_peak``), once under
+    ``tracemalloc`` alone for numpy arrays and Python objects (``python_peak``): each way adds noise
+    to the other's count. The arguments are passed as given (pass copies if ``fn`` may change them).
+    """
+    elements, largest = torch_peak(fn, *args, **kwargs)
+    mem = python_peak(fn, *args, **kwargs)
+    mem.torch_peak, mem.torch_largest = elements, largest
+    return mem
+
+
+def torch_peak(fn, *args, **kwargs):
+    """(elements, Largest): the most elements of torch tensors made by one call of ``fn`` alive at once.
+
+    A tensor's storage counts from the op that made it until the last tensor of it is gone; the
+    arguments' own storages do not count.
+    """
+    mode = _Live(_tensor_leaves((args, kwargs)))
+    with mode:
+        result = fn(*args, **kwargs)
+    del result
+    return mode.peak, mode.largest
+
+
+def python_peak(fn, *args, **kwargs) -> Memory:
+    """A ``Memory`` with ``python_peak``: ``tracemalloc``'s peak during one call of ``fn`` (numpy reports
+    its arrays to it), in units of 8 bytes (one float64; a Python float in a list costs 4).
+
+    ``x.tolist()`` of a tensor as large as an argument is counted apart in ``input_lists`` (the meter
+    follows it as that input itself). Iterating a tensor yields its rows one at a time here (torch's
+    own ``__iter__`` unbinds them all first: a Python object per row at once, the learner's loop
+    holds one). A Triton kernel launched (interpreted) sets ``triton``.
+    """
+    whole = {t.numel() for t in _tensor_leaves((args, kwargs))}
+    state = {"lists": 0, "triton": False}
+    orig_tolist = torch.Tensor.tolist
+    own_iter = torch.Tensor.__dict__.get("__iter__")
+
+    def lazy_iter(self):
+        if self.dim() == 0:
+            raise TypeError("iteration over a 0-d tensor")
+        for i in range(self.shape[0]):
+            yield self[i]
+
+    def tolist(self, *a, **k):
+        before = tracemalloc.get_traced_memory()[0]
+        values = orig_tolist(self, *a, **k)
+        if self.numel() in whole:
+            state["lists"] += max(tracemalloc.get_traced_memory()[0] - before, 0)
+        return values
+
+    class _Counted(np.ndarray):           # x.numpy().tolist() counts like x.tolist()
+        def tolist(self):
+            before = tracemalloc.get_traced_memory()[0]
+            values = self.view(np.ndarray).tolist()
+            if self.size in whole:
+                state["lists"] += max(tracemalloc.get_traced_memory()[0] - before, 0)
+            return values
+
+    def numpy(self, *a, **k):
+        return orig_numpy(self, *a, **k).view(_Counted)
+    orig_numpy = torch.Tensor.numpy
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    threshold = gc.get_threshold()
+    gc.set_threshold(100, *threshold[1:])   # cyclic garbage waits less for collection: less noise in the peak
+    base = tracemalloc.get_traced_memory()[0]
+    tracemalloc.reset_peak()
+    torch.Tensor.tolist, torch.Tensor.__iter__, torch.Tensor.numpy = tolist, lazy_iter, numpy
+    grid = _triton_grid()
+    grid_call = grid.__call__ if grid is not None else None
+    if grid is not None:
+        def launch(self, *a, **k):
+            state["triton"] = True
+            return grid_call(self, *a, **k)
+        grid.__call__ = launch
+    try:
+        result = fn(*args, **kwargs)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        gc.set_threshold(*threshold)
+        if grid is not None:
+            grid.__call__ = grid_call
+        del torch.Tensor.tolist, torch.Tensor.numpy
+        if own_iter is not None:
+            torch.Tensor.__iter__ = own_iter
+        else:
+            del torch.Tensor.__iter__
+        if not was_tracing:
+            tracemalloc.stop()
+    del result
+    return Memory(python_peak=max(peak, 0) // 8, input_lists=state["lists"] // 8, triton=state["triton"])
+
+
+def _triton_grid():
+    """Triton's interpreter launcher (``GridExecutor``), when Triton is already imported; else None."""
+    interp = sys.modules.get("triton.runtime.interpreter")
+    return getattr(interp, "GridExecutor", None)

@@ -290,3 +290,167 @@ def test_check_o_lse_is_the_one_o_lse_tail():
     for path in sorted((ROOT / "helpers" / "check").glob("lesson0[3-6].py")):
         src = path.read_text()
         assert 'g.expect_tuple(out, 2, "(O, lse)")' not in src, path.name
+
+
+# ------------------------------------------------------------------ issue 21: verdicts, limits, crashes
+def test_relative_error_has_a_floor_when_the_reference_is_zero():
+    g = Grader("demo", fn=None)
+    g.case = Case("Nk = 1")
+    g.compare(torch.tensor([3e-8, 1e-9]), torch.tensor([0.0, 0.0]), "O", rtol=1e-4, atol=1e-5)
+    assert g.max_rel_err < 1e-2, g.max_rel_err            # was 3e+22: 3e-8 over a scale of 1e-30
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta"])
+def test_a_sparse_or_meta_output_gets_a_verdict_not_a_traceback(kind):
+    def odd(m1, l1, m2, l2):
+        m, l = _merge(m1, l1, m2, l2)
+        return (m.to_sparse(), l.to_sparse()) if kind == "sparse" else (m.to("meta"), l.to("meta"))
+    msg = rejects(check.merge_ml, odd, "❌ merge_ml", "`m` is", "hint:")
+    assert ("sparse" in msg) if kind == "sparse" else ("meta device" in msg)
+    assert "Traceback" not in msg
+
+
+def test_a_blocking_c_call_is_stopped_by_the_limit(monkeypatch):
+    monkeypatch.setenv("COURSE_CASE_TIMEOUT", "0.5")
+
+    def sleeps(m1, l1, m2, l2):
+        time.sleep(30)                       # one long C call: the timer thread alone never stopped it
+    t0 = time.monotonic()
+    rejects(check.merge_ml, sleeps, "still running after 0.5 s")
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("limit", [1.0])   # 0.2 s broke sympy, 1.0 s torch._dynamo, on a 2-core machine
+def test_the_limit_never_interrupts_an_import(tmp_path, limit):
+    """A fresh process: the limit fires while `import torch._dynamo` runs (it pulls in sympy, seconds on a busy
+    machine). Interrupted, either module stayed half loaded ("torch._dynamo has no attribute 'utils'",
+    "sympy has no attribute 'core'") for the rest of the session; now the import finishes first."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "import_under_limit.py"
+    script.write_text(
+        "import sys\n"
+        "import torch\n"
+        "from helpers.checking import CaseTimeout, call_with_limit\n"
+        "assert 'torch._dynamo' not in sys.modules and 'sympy' not in sys.modules\n"
+        "def slow():\n"
+        "    import torch._dynamo\n"
+        "    while True:\n"
+        "        pass\n"
+        "try:\n"
+        f"    call_with_limit(slow, limit={limit})\n"
+        "except CaseTimeout:\n"
+        "    print('stopped')\n"
+        "import sympy\n"
+        "import torch._dynamo\n"
+        "torch._dynamo.reset()\n"
+        "print(sympy.core.Symbol('x'), torch._dynamo.utils.__name__)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["stopped", "x", "torch._dynamo.utils"]
+
+
+def test_the_timer_thread_also_waits_for_an_import(monkeypatch):
+    """Off the main thread (and on Windows) the limit is a timer thread; it too holds back during an import."""
+    import threading
+    monkeypatch.setattr(checking, "_use_signal", lambda: False)
+    seen = {}
+    calls = iter([True, True, False])
+    monkeypatch.setattr(checking, "_importing", lambda before=frozenset(): next(calls, False))
+
+    def spin():
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5:
+            pass
+    def run():
+        try:
+            checking.call_with_limit(spin, limit=0.05)
+        except checking.CaseTimeout:
+            seen["after"] = True
+    th = threading.Thread(target=run)
+    t0 = time.monotonic()
+    th.start()
+    th.join()
+    assert seen.get("after") and 0.1 <= time.monotonic() - t0 < 4     # two retries of 0.05 s, then stopped
+
+
+def test_a_check_run_by_an_import_is_still_stopped(tmp_path, monkeypatch):
+    """The limit waits for imports that start during the call, not for the one under way when it was armed."""
+    import sys
+    monkeypatch.setenv("COURSE_CASE_TIMEOUT", "0.3")
+    (tmp_path / "learner_module_under_import.py").write_text(
+        "import time\n"
+        "from helpers.checking import CaseTimeout, call_with_limit\n"
+        "def spin():\n"
+        "    t0 = time.monotonic()\n"
+        "    while time.monotonic() - t0 < 20:\n"
+        "        pass\n"
+        "try:\n"
+        "    call_with_limit(spin)\n"
+        "    STOPPED = False\n"
+        "except CaseTimeout:\n"
+        "    STOPPED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    t0 = time.monotonic()
+    import learner_module_under_import as mod
+    sys.modules.pop("learner_module_under_import", None)
+    assert mod.STOPPED and time.monotonic() - t0 < 10
+
+
+def test_the_course_reference_is_named_in_the_verdict(capsys):
+    from helpers.lesson02 import flash_attn_v1_ref
+    check.flash_attn_v1(flash_attn_v1_ref)
+    assert "this is the course's reference, helpers.lesson02.flash_attn_v1_ref" in capsys.readouterr().out
+
+
+def _score_matrix_checker():
+    """An exercise with one metered case and the default budget: nothing as large as the N x Nk scores."""
+    from helpers.checking import exercise
+    rng = torch.Generator().manual_seed(0)
+    q, k = torch.randn(64, 2, generator=rng), torch.randn(64, 2, generator=rng)
+
+    @exercise("_demo_budget", arg_names=["q", "k"])
+    def grade(g):
+        g.measure(Case("metered", q, k))
+        return "ok"
+    return grade
+
+
+def test_every_measure_holds_the_default_budget_in_any_form():
+    demo = _score_matrix_checker()
+    try:
+        def lists(q, k):                       # the scores as Python lists: invisible to the meter's FLOPs
+            Q, K = ([[float(t) for t in row] for row in a] for a in (q, k))
+            S = [[a[0] * b[0] + a[1] * b[1] for b in K] for a in Q]
+            return torch.tensor([max(r) for r in S])
+        rejects(demo, lists, "Python objects and numpy arrays", "N x Nk scores (4,096 elements)")
+
+        def kept_tiles(q, k):                  # every tile kept alive in a list: no one tensor is large
+            tiles = [q[i:i + 8] @ k.T for i in range(0, 64, 8)] + [q @ k.T]
+            return torch.stack([t.amax() for t in tiles])
+        rejects(demo, kept_tiles, "elements in torch tensors at once")
+
+        def tiled(q, k):
+            return torch.cat([(q[i:i + 8] @ k.T).amax(1) for i in range(0, 64, 8)])
+        demo(tiled)
+    finally:
+        checking.REGISTRY.pop("_demo_budget", None)
+
+
+def test_a_hang_in_the_memory_call_gets_a_verdict_and_leaves_torch_as_it_was(monkeypatch):
+    monkeypatch.setenv("COURSE_CASE_TIMEOUT", "0.5")
+    tolist, iterate = torch.Tensor.tolist, torch.Tensor.__iter__
+
+    def hangs_on_long_rows(x):
+        while len(x) > 1000:
+            pass
+        m, l = -math.inf, 0.0
+        for xi in x.tolist():
+            m_new = max(m, xi)
+            if m_new > -math.inf:
+                l, m = l * math.exp(m - m_new) + math.exp(xi - m_new), m_new
+        return m, l
+    rejects(check.online_softmax_stats, hangs_on_long_rows, "still running after 0.5 s", "O(1) memory (metered)")
+    assert torch.Tensor.tolist is tolist and torch.Tensor.__iter__ is iterate

@@ -97,11 +97,22 @@ def test_stats_amax_and_logsumexp():
     rejects(check.online_softmax_stats, stats_amax_logsumexp, "12 elements of x in one operation", "2- or 3-pass")
 
 
+def stats_one_pass_numpy_tolist(x):               # correct, another way: x.numpy().tolist() is x.tolist()
+    m, l = NEG_INF, 0.0
+    for xi in x.numpy().tolist():
+        m_new = max(m, xi)
+        if m_new == NEG_INF:
+            continue
+        l = l * math.exp(m - m_new) + math.exp(xi - m_new)
+        m = m_new
+    return m, l
+
+
 def test_stats_two_pass_on_a_copy():
     rejects(check.online_softmax_stats, stats_two_pass_on_a_copy, "2 times", "2-pass softmax")
 
 
-@pytest.mark.parametrize("fn", [stats_one_pass_tolist, stats_one_pass_numpy])
+@pytest.mark.parametrize("fn", [stats_one_pass_tolist, stats_one_pass_numpy, stats_one_pass_numpy_tolist])
 def test_stats_one_pass_written_another_way_passes(fn):
     check.online_softmax_stats(fn)
 

@@ -255,3 +255,73 @@ def test_blockwise_old_l_not_rescaled_is_named():
             l = l + torch.exp(block - m_safe[:, None]).sum(1)      # BUG: the old l is not rescaled
         return m, l
     rejects(check.blockwise_stats, blockwise_stats, "running l was not rescaled", "exp(m_old - m_new)")
+
+
+# ------------------------------------------------------------------ issue 21
+def stats_two_pass_over_floats(x):
+    xs = [float(t) for t in x]                    # one read of each element: the meter sees one pass
+    m = max(xs)                                   # pass 1, over Python floats
+    return (m, sum(math.exp(v - m) for v in xs)) if m > -math.inf else (m, 0.0)   # pass 2
+
+
+def stats_two_pass_over_items(x):
+    xs = [t.item() for t in x]
+    m = max(xs)
+    return (m, sum(math.exp(v - m) for v in xs)) if m > -math.inf else (m, 0.0)
+
+
+@pytest.mark.parametrize("fn", [stats_two_pass_over_floats, stats_two_pass_over_items])
+def test_stats_two_pass_over_a_list_of_floats_rejected(fn):
+    rejects(check.online_softmax_stats, fn, "O(1) memory (metered)", "O(1)", "only the 2-pass softmax needs")
+
+
+def blockwise_per_row_lists(x, Bc):
+    m, l = [], []
+    for row in x:
+        xs = [float(t) for t in row]              # a whole row of Python floats
+        mr = max(xs)
+        m.append(mr)
+        l.append(sum(math.exp(v - mr) for v in xs) if mr > -math.inf else 0.0)
+    return torch.tensor(m, dtype=x.dtype), torch.tensor(l, dtype=x.dtype)
+
+
+def test_blockwise_per_row_two_pass_over_floats_rejected():
+    rejects(check.blockwise_stats, blockwise_per_row_lists, "O(R·Bc) memory (metered)", "a whole row (or more)")
+
+
+def blockwise_numpy_state(x, Bc):                 # correct: (m, l) kept in numpy arrays made with np.*_like
+    import numpy as np
+    n = x.shape[1]
+    m = np.full_like(x[:, 0], -math.inf, dtype=np.float64)     # np.*_like reads no element of x
+    l = np.zeros_like(x[:, 0], dtype=np.float64)
+    for j in range(0, n, Bc):
+        block = x[:, j:j + Bc].double().numpy()                # [R, <=Bc]
+        m_new = np.maximum(m, block.max(1))
+        safe = np.where(m_new == -math.inf, 0.0, m_new)
+        l = l * np.exp(m - safe) + np.exp(block - safe[:, None]).sum(1)
+        m = m_new
+    return torch.from_numpy(m).to(x.dtype), torch.from_numpy(l).to(x.dtype)
+
+
+def test_blockwise_with_numpy_zeros_like_passes():
+    check.blockwise_stats(blockwise_numpy_state)
+
+
+def blockwise_in_lists(x, Bc):                    # correct: blocks sliced out of x.tolist(), read twice each
+    rows = x.tolist()
+    ms, ls = [-math.inf] * len(rows), [0.0] * len(rows)
+    for j in range(0, len(rows[0]), Bc):
+        for r in range(len(rows)):
+            b = rows[r][j:j + Bc]                 # a slice is one load of the block; its values are then local
+            mb = max(b)
+            if mb == -math.inf:
+                continue
+            lb = sum(math.exp(v - mb) for v in b)
+            mn = max(ms[r], mb)
+            ls[r] = ls[r] * math.exp(ms[r] - mn) + lb * math.exp(mb - mn)
+            ms[r] = mn
+    return torch.tensor(ms, dtype=x.dtype), torch.tensor(ls, dtype=x.dtype)
+
+
+def test_blockwise_in_python_lists_passes():
+    check.blockwise_stats(blockwise_in_lists)

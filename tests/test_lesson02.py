@@ -224,3 +224,22 @@ def test_v1_traffic_and_bounds():
 def test_learner_notebook_is_generated_from_the_worked_one():
     from helpers.generate import ROOT, drift
     assert not [p for p in drift(ROOT / "solutions", ROOT / "notebooks") if p.startswith(NB)]
+
+
+# ------------------------------------------------------------------ issue 21
+def v1_dense_in_lists(q, k, v, Br=4, Bc=3):
+    """The whole score matrix, in pure Python lists: the meter sees no FLOPs and each input read once."""
+    Q, K, V = ([[float(t) for t in row] for row in a] for a in (q, k, v))
+    scale = 1 / math.sqrt(len(Q[0]))
+    S = [[sum(a * b for a, b in zip(qi, kj)) * scale for kj in K] for qi in Q]      # [N][Nk]
+    O = []
+    for row in S:
+        m = max(row)
+        p = [math.exp(s - m) for s in row]
+        O.append([sum(pj * V[j][t] for j, pj in enumerate(p)) / sum(p) for t in range(len(V[0]))])
+    return torch.tensor(O, dtype=q.dtype)
+
+
+def test_dense_v1_in_python_lists_rejected():
+    rejects(check.flash_attn_v1, v1_dense_in_lists, "working memory (metered)", "Python objects",
+            "O(N·d + Br·Bc)", "the N x Nk scores are 65,536", "N x Nk score matrix")

@@ -273,3 +273,35 @@ def test_course_reference_kernel_passes_the_checker(strict, capsys):
     """The reference the notebook falls back on (yours_or_reference) is itself a right answer."""
     check.flash_attn_causal(lesson04.flash_attn_causal_ref)
     assert "✅ flash_attn_causal" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ issue 21
+def causal_log_mask_everywhere(q, k, v, Br=4, Bc=3, align="top_left"):
+    """Skips the invisible tiles, but 'masks' every computed tile, full ones too, by adding log(keep)."""
+    N, d = q.shape
+    Nk = k.shape[0]
+    scale, off = 1 / math.sqrt(d), (0 if align == "top_left" else Nk - N)
+    O, lse = torch.empty(N, v.shape[1], dtype=q.dtype), torch.empty(N, dtype=q.dtype)
+    for i0 in range(0, N, Br):
+        Qi = q[i0:i0 + Br]
+        br = Qi.shape[0]
+        m, l, acc = torch.full((br,), -math.inf), torch.zeros(br), torch.zeros(br, v.shape[1])
+        for j0 in range(0, Nk, Bc):
+            if j0 > min(i0 + Br, N) - 1 + off:
+                continue
+            Kj = k[j0:j0 + Bc]
+            keep = torch.arange(j0, j0 + Kj.shape[0])[None, :] <= torch.arange(i0, i0 + br)[:, None] + off
+            S = Qi @ Kj.T * scale + torch.log(keep.float())          # [Br, Bc]: + 0 on a full tile
+            m_new = torch.maximum(m, S.amax(1))
+            safe = torch.where(m_new == -math.inf, 0.0, m_new)
+            P, alpha = torch.exp(S - safe[:, None]), torch.exp(m - safe)
+            l, acc, m = alpha * l + P.sum(1), alpha[:, None] * acc + P @ v[j0:j0 + Bc], m_new
+        l_safe = torch.where(l == 0, 1.0, l)
+        O[i0:i0 + br] = acc / l_safe[:, None]
+        lse[i0:i0 + br] = torch.where(l == 0, -math.inf, m + torch.log(l_safe))
+    return O, lse
+
+
+def test_full_tiles_masked_by_adding_log_keep_rejected():
+    rejects(check.flash_attn_causal, causal_log_mask_everywhere, "a full tile", "torch.log(keep.float())",
+            "full tiles need no mask")

@@ -159,3 +159,66 @@ def test_an_error_while_metered_is_a_verdict_with_the_case():
     msg = str(info.value)
     assert "raised RuntimeError while metered" in msg and "boom" in msg and "the work done (metered)" in msg
     assert "Traceback" not in msg
+
+
+# ------------------------------------------------------------------ issue 21
+def test_numpy_shape_only_constructors_read_nothing():
+    """np.zeros_like(x) looks at x's shape and dtype, like torch.zeros_like: not a read of x."""
+    x = torch.randn(4, 8)
+
+    def f(x):
+        z = np.zeros_like(x)
+        e = np.empty_like(x.numpy())
+        o = np.ones_like(x[:, 0])
+        fl = np.full_like(x.numpy(), 2.0)
+        return torch.from_numpy(z + o[:, None] + fl + e.shape[0])
+    r = meter.measure(f, x, names=["x"])
+    assert r.read_sizes.get("x", []) == [] and r.passes("x") == 0
+
+
+def test_a_mask_added_as_arithmetic_is_seen():
+    S = torch.randn(4, 3)
+
+    def all_true(S):
+        keep = torch.ones(4, 3, dtype=torch.bool)
+        return S + torch.log(keep.float())   # adds 0 everywhere: a mask that changes nothing
+
+    def times_all_true(S):
+        return S * (torch.arange(3)[None, :] < 5).float().expand(4, 3)
+
+    def diagonal(S):
+        keep = torch.arange(3)[None, :] <= torch.arange(4)[:, None]
+        return S + torch.log(keep.float())
+
+    def accumulate(S):
+        acc = torch.zeros(4, 3)
+        return acc + S                       # an accumulator starting at 0 is no mask
+    assert meter.measure(all_true, S).noop_masks == 1
+    assert meter.measure(times_all_true, S).noop_masks == 1
+    assert meter.measure(diagonal, S).noop_masks == 0
+    assert meter.measure(accumulate, S).noop_masks == 0
+
+
+def test_working_memory_sees_tensors_alive_at_once_and_python_lists():
+    x = torch.randn(4096)
+
+    def tiles_dropped(x):
+        return sum(float((x[i:i + 64] * 2).sum()) for i in range(0, 4096, 64))
+
+    def tiles_kept(x):
+        kept = [x[i:i + 64] * 2 for i in range(0, 4096, 64)]
+        return sum(float(t.sum()) for t in kept)
+
+    def floats(x):
+        xs = [float(t) for t in x]
+        return max(xs)
+
+    def tolist(x):
+        return max(x.tolist())
+    assert meter.torch_peak(tiles_dropped, x)[0] <= 3 * 64
+    assert meter.torch_peak(tiles_kept, x)[0] >= 4096
+    m = meter.python_peak(floats, x)
+    assert m.python_peak >= 3 * 4096 and m.input_lists == 0      # about 32 bytes a float in a list
+    m = meter.python_peak(tolist, x)
+    assert m.input_lists >= 3 * 4096 and m.python_peak - m.input_lists < 1024   # followed: counted apart
+    assert meter.python_peak(tiles_dropped, x).python_peak < 1024

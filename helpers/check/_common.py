@@ -11,11 +11,11 @@ import math
 
 import torch
 
-from ..checking import Bug, Case
+from ..checking import Budget, Bug, Case
 from ..lesson04 import visible_tile_flops
 
 __all__ = ["NEG_INF", "RTOL", "ATOL", "gen", "qkv", "tiles", "attention_cases", "tiled_model", "o_bugs",
-           "masked_tiled_model", "check_o_lse"]
+           "masked_tiled_model", "check_o_lse", "tiled_budget", "memory_case", "check_tiled_memory"]
 
 NEG_INF = -math.inf
 
@@ -207,6 +207,49 @@ def idea_case():
                 q, k, v, Br=IDEA_BR, Bc=IDEA_BC)
 
 
+# ------------------------------------------------------------------ the working-memory budget of a tiled kernel
+def tiled_budget(case):
+    """O(N·d + Br·Bc): what a tiled kernel (02-05) may hold beyond a copy of its inputs, in elements.
+
+    Its output (O, lse and V1's m, l) twice over, a few [Br, Bc] tiles and a few [N] or [Nk] vectors;
+    the N x Nk scores, in any form (a tensor, a numpy array, lists of floats), are orders of magnitude more
+    on ``memory_case``'s sizes.
+    """
+    q, k = case.args[0], case.args[1]
+    N, d = q.shape
+    Nk = k.shape[0]
+    Br, Bc = tiles(case)
+    return Budget(2 * (N + Nk) * d + 4 * Br * Bc + 4 * (N + Nk), f"O(N·d + Br·Bc) (N = {N}, Nk = {Nk}, d = {d}, "
+                  f"Br = {Br}, Bc = {Bc})", full=N * Nk,
+                  hint="that is the N x Nk score matrix (or the scores of many tiles kept alive), in a tensor, a "
+                       "numpy array or Python lists: FlashAttention never holds it. Compute one [Br, Bc] tile of "
+                       "scores at a time, fold it into the running (m, l, acc), and let it go")
+
+
+MEM_N, MEM_D, MEM_B = 256, 2, 16
+
+
+def memory_case(seed, *extra, N=MEM_N, Nk=MEM_N, **kwargs):
+    """A case large enough that the N x Nk scores (65,536 elements) and the tiled budget (~5,000) differ by
+    more than an order of magnitude, whatever holds them; small d and 16 x 16 tiles keep it quick."""
+    q, k, v = qkv(N, Nk, MEM_D, gen(seed))
+    extra = tuple(e(N, Nk) if callable(e) else e for e in extra)
+    return Case(f"working memory (metered): N = {N}, Nk = {Nk}, d = {MEM_D}, Br = Bc = {MEM_B}", q, k, v, *extra,
+                Br=MEM_B, Bc=MEM_B, **kwargs)
+
+
+def check_tiled_memory(g, case):
+    """Hold one call on ``memory_case`` to ``tiled_budget``: no N x Nk in any form."""
+    g.check_memory(case, budget=tiled_budget)
+
+
+def saw_no_flops(g, r, what):
+    """0 FLOPs is a finding, not a pass: the verdict says what the meter could not check."""
+    if r.total_flops == 0:
+        g.notes.append(f"the meter saw no FLOPs: your function computes outside torch and numpy, so {what} was "
+                       "not checked, only its output and its working memory")
+
+
 def measure_case(g, case):
     """Meter one call of the learner's function on copies of ``case``'s inputs (``Grader.measure``)."""
     return g.measure(case, names=("q", "k", "v"))
@@ -218,6 +261,7 @@ def check_tiles_only(g, r, case):
     N, d = q.shape
     Nk = k.shape[0]
     Br, Bc = case.kwargs["Br"], case.kwargs["Bc"]
+    saw_no_flops(g, r, "its tiling and loop order")
     sdpa = sorted(op for op in r.ops if "scaled_dot_product" in op or "softmax" in op)
     if sdpa:
         g.fail(f"your function calls {', '.join('aten.' + s for s in sdpa)}",
@@ -249,6 +293,7 @@ def check_visible_work(g, r, vis, Br, Bc, d, skip_hint, tile_hint):
     tensor half the size of the ``N x Nk`` score matrix. Used by 04 and 05.
     """
     N, Nk = vis.shape
+    saw_no_flops(g, r, "which tiles it skips")
     need = visible_tile_flops(vis, Br, Bc, d)
     visible = [(min(Br, N - i0), min(Bc, Nk - j0)) for i0 in range(0, N, Br) for j0 in range(0, Nk, Bc)
                if vis[i0:i0 + Br, j0:j0 + Bc].any()]

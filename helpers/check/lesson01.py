@@ -9,7 +9,7 @@ import math
 import torch
 
 from .. import reference
-from ..checking import Bug, Case, exercise
+from ..checking import Budget, Bug, Case, exercise
 from ._common import NEG_INF, gen
 
 _gen = gen
@@ -55,7 +55,20 @@ def _row_cases():
     return cases
 
 
-@exercise("online_softmax_stats", arg_names=["x"], reference="torch.logsumexp")
+_LIST_HINT = ("a list (or array) of x's values is the whole row in working memory, which only the 2-pass softmax "
+              "needs (the max first, then the sum against it): the online version keeps m and l alone as it walks x "
+              "(`for xi in x:` or `for xi in x.tolist():`), rescaling l by exp(m_old - m_new) when the max grows")
+
+
+def _stats_budget(case):
+    """O(1): m, l and a few temporaries, beyond a copy of x."""
+    return Budget(64, "O(1) (m, l and a few numbers)", torch=False, hint=_LIST_HINT)
+
+
+STATS_MEM_N = 16384
+
+
+@exercise("online_softmax_stats", arg_names=["x"], reference="torch.logsumexp", budget=_stats_budget)
 def online_softmax_stats(g):
     for case in _row_cases():
         x = case.args[0]
@@ -76,6 +89,7 @@ def online_softmax_stats(g):
                     "while m is still -inf")
         g.count()
     _one_pass(g)
+    g.check_memory(Case(f"O(1) memory (metered): n = {STATS_MEM_N}", torch.randn(STATS_MEM_N, generator=_gen(7))))
 
 
 def _via(r):
@@ -235,7 +249,20 @@ def _blockwise_old_l_not_rescaled(c):
     return l
 
 
-@exercise("blockwise_stats", arg_names=["x", "Bc"], reference="torch.logsumexp")
+def _blocks_budget(case):
+    """O(R·Bc): a few blocks and the running (m, l); a (m_j, l_j) per block is tolerated (a second pass over
+    those is the split-KV merge, not a second pass over x)."""
+    x, Bc = case.args
+    R, n = x.shape
+    return Budget(4 * R * Bc + 4 * R * -(-n // Bc) + 8 * R, f"O(R·Bc) (R = {R}, Bc = {Bc}, n = {n})",
+                  hint="that is a whole row (or more) held at once, e.g. a list of a row's values: merge each "
+                       "block's (m_j, l_j) from x[:, j:j+Bc] into the running (m, l) as you go, and let the block go")
+
+
+BLOCKS_MEM = (2, 16384, 64)   # R, n, Bc: one row of Python floats is twice the float64 copy of x allowed
+
+
+@exercise("blockwise_stats", arg_names=["x", "Bc"], reference="torch.logsumexp", budget=_blocks_budget)
 def blockwise_stats(g):
     bugs = [
         Bug("the last, ragged block was dropped: range(0, n, Bc) with x[:, j:j+Bc] covers it",
@@ -259,6 +286,9 @@ def blockwise_stats(g):
                            "exp(x - max) gives exp(-inf - -inf) = NaN; use a safe max (0 where the max is -inf)")
         g.count()
     _blocks_only(g)
+    R, n, Bc = BLOCKS_MEM
+    g.check_memory(Case(f"O(R·Bc) memory (metered): R = {R}, n = {n}, Bc = {Bc}",
+                        torch.randn(R, n, generator=_gen(8)), Bc))
 
 
 def _blocks_only(g):

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from .. import reference
 from ..checking import exercise
-from ._common import (ATOL, IDEA_D, IDEA_NK, RTOL, attention_cases, check_tiles_only,  # noqa: F401
-                      idea_case, measure_case, o_bugs, tiled_model)  # tiled_model: tests import it from here
+from ._common import (ATOL, IDEA_D, IDEA_NK, RTOL, attention_cases, check_tiled_memory,  # noqa: F401
+                      check_tiles_only, idea_case, measure_case, memory_case, o_bugs, tiled_budget,
+                      tiled_model)  # tiled_model: tests import it from here
 
 
 # ------------------------------------------------------------------ flash_attn_v1
-@exercise("flash_attn_v1", arg_names=["q", "k", "v"], reference="SDPA (float64)")
+@exercise("flash_attn_v1", arg_names=["q", "k", "v"], reference="SDPA (float64)", budget=tiled_budget)
 def flash_attn_v1(g):
     bugs = o_bugs()
     for case in attention_cases():
@@ -38,4 +39,6 @@ def flash_attn_v1(g):
                    hint="V1 puts the KV loop outside: load Kj = k[j:j+Bc] and Vj = v[j:j+Bc] once, before the "
                         "loop over Q blocks, and use them for every Qi; the Q blocks are read again for each "
                         "KV block (V2 is the other way round)")
+    g.count()
+    check_tiled_memory(g, memory_case(22))
     g.count()

@@ -12,8 +12,8 @@ import torch
 
 from .. import reference
 from ..checking import Bug, Case, exercise
-from ._common import (ATOL, IDEA_BC, IDEA_D, IDEA_N, RTOL, attention_cases, check_o_lse, check_tiles_only,
-                      idea_case, measure_case, o_bugs, tiled_model)
+from ._common import (ATOL, IDEA_BC, IDEA_D, IDEA_N, RTOL, attention_cases, check_o_lse, check_tiled_memory,
+                      check_tiles_only, idea_case, measure_case, memory_case, o_bugs, tiled_budget, tiled_model)
 
 
 def _scores(c):
@@ -43,7 +43,8 @@ def lse_bugs():
     ]
 
 
-@exercise("flash_attn_v2", arg_names=["q", "k", "v"], reference="SDPA and torch.logsumexp (float64)")
+@exercise("flash_attn_v2", arg_names=["q", "k", "v"], reference="SDPA and torch.logsumexp (float64)",
+          budget=tiled_budget)
 def flash_attn_v2(g):
     bugs_o, bugs_lse = o_bugs(), lse_bugs()
     for case in attention_cases():
@@ -87,6 +88,8 @@ def flash_attn_v2(g):
                     "after it: each extra write is a round trip to HBM that V2 exists to remove")
     g.count()
     _divide_once(g)
+    g.count()
+    check_tiled_memory(g, memory_case(32))
     g.count()
 
 

@@ -12,8 +12,8 @@ import torch
 from .. import reference
 from ..checking import Bug, Case, exercise
 from ..lesson04 import CLASSES
-from ._common import (NEG_INF, check_o_lse, check_visible_work, gen, masked_tiled_model,  # noqa: F401
-                      qkv, tiles)
+from ._common import (NEG_INF, check_o_lse, check_tiled_memory, check_visible_work, gen,  # noqa: F401
+                      masked_tiled_model, memory_case, qkv, tiled_budget, tiles)
 
 ALIGNS = ("top_left", "bottom_right")
 tiled_model = masked_tiled_model      # the name lesson 04's tests use
@@ -256,13 +256,15 @@ def _idea(g):
                       "tile's mask from its row and column indices, [Br, Bc] at a time")
         if r.noop_masks:
             g.fail(f"your function applied a mask {r.noop_masks} times to a tile in which every score is "
-                   "visible (a full tile), e.g. masked_fill with an all-False mask",
+                   "visible (a full tile), e.g. masked_fill with an all-False mask, or adding torch.log(keep.float()) "
+                   "where keep is all True (it adds 0 everywhere)",
                    hint="full tiles need no mask at all, only tiles cut by the diagonal do; in the Triton kernel "
                         "this is the off-band loop (no mask) and the on-band loop (mask): most tiles are full, "
                         "so the mask's cost should be paid only on the band")
 
 
-@exercise("flash_attn_causal", arg_names=["q", "k", "v"], reference="SDPA (float64, both alignments)")
+@exercise("flash_attn_causal", arg_names=["q", "k", "v"], reference="SDPA (float64, both alignments)",
+          budget=tiled_budget)
 def flash_attn_causal(g):
     bugs_o, bugs_lse = _causal_models(0), _causal_models(1)
     for case in _causal_cases():
@@ -274,3 +276,4 @@ def flash_attn_causal(g):
                     lse_hint="lse = m + log(l) over the visible keys of the row; -inf when there are none")
         g.count()
     _idea(g)
+    check_tiled_memory(g, memory_case(42, align="bottom_right"))

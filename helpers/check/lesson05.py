@@ -11,7 +11,8 @@ import torch
 from .. import reference
 from ..checking import Bug, Case, exercise
 from ..lesson05 import make_mask
-from ._common import NEG_INF, check_o_lse, check_visible_work, gen, qkv, tiles
+from ._common import (NEG_INF, check_o_lse, check_tiled_memory, check_visible_work, gen, memory_case, qkv,
+                      tiled_budget, tiles)
 from ._common import masked_tiled_model as tiled_model
 
 _gen = gen
@@ -125,7 +126,7 @@ def _idea(g):
 
 
 @exercise("flash_attn_masked", arg_names=["q", "k", "v", "mask"], reference="SDPA (float64, O = 0 and "
-          "lse = -inf on fully masked rows)")
+          "lse = -inf on fully masked rows)", budget=tiled_budget)
 def flash_attn_masked(g):
     bugs_o, bugs_lse = _models(0), _models(1)
     for case in _masked_cases():
@@ -137,3 +138,4 @@ def flash_attn_masked(g):
                     lse_hint="lse = m + log(l) where l > 0, and -inf where the row saw no key")
         g.count()
     _idea(g)
+    check_tiled_memory(g, memory_case(52, lambda N, Nk: make_mask("sliding window", N, Nk)))
