@@ -224,12 +224,14 @@ def _attn_fwd(
 _INTERPRETER_FWD_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): a small set around what won on an H200
+_FWD_SHAPES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3)]
+
+
 def _fwd_configs():
-    # (BLOCK_M, BLOCK_N, num_warps, num_stages): a small set around what won on an H200
-    shapes = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_kv_block_shape)
-        for bm, bn, w, s in shapes
+        for bm, bn, w, s in _FWD_SHAPES
     ]
 
 
@@ -773,3 +775,36 @@ def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None)
     return _decode_launch(q, k, v, o, None, None, B=B, Hkv=Hkv, group=H // Hkv, nq=1, d=d, Nk=Nk,
                           stride_kb=Hkv * Nk * d, max_blocks=0, head_major=True, page=0, causal=False,
                           num_splits=num_splits, sm_scale=sm_scale, config=config)
+
+
+# ----------------------------------------------------------------------------
+# What a GPU can run: shared memory per configuration, TMA, bf16
+# ----------------------------------------------------------------------------
+
+
+def _shapes(kind, d):
+    """The launcher's configurations of ``kind`` for head dim d, as dicts (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if kind == "fwd":
+        shapes = _FWD_SHAPES
+    elif kind == "decode":
+        return [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn, w, s in _DECODE_SHAPES]
+    elif kind in ("dkdv", "dq"):
+        from . import triton_attention_bwd as tb
+        shapes = tb._DKDV_SHAPES if kind == "dkdv" else tb._DQ_SHAPES
+    elif kind == "varlen":
+        from . import triton_varlen as tv
+        bm, rest = tv._VARLEN_SHAPES[tv._d_class(d)]
+        shapes = [(bm, bn, w, s) for bn, w, s in rest]
+    else:
+        raise ValueError(f"unknown kernel kind {kind!r}")
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+
+
+def launch_configs(kind, d, dtype, smem=None):
+    """The configurations the launcher of ``kind`` tries for head dim d and ``dtype`` (every one, for now)."""
+    return _shapes(kind, d)
+
+
+def use_tma_for(capability, dtype):
+    """Whether the forward kernels load K and V through TMA descriptors on a GPU of this (major, minor)."""
+    return TensorDescriptor is not None and capability[0] >= 9 and dtype != torch.float32
