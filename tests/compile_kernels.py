@@ -1,6 +1,7 @@
 """Every ``@triton.jit`` kernel the course launches, compiled for one GPU target by Triton's own compiler, no GPU.
 
     python -m tests.compile_kernels 90 ["dense forward" ...]     # prints one JSON line per compile
+    python -m tests.compile_kernels --drive OUT_DIR 2 '{"90": [...], "75": [...]}'   # one child per target
 
 Run as a child process by tests/test_compile_targets.py: Triton decides between its interpreter and its compiler
 when a kernel is decorated, so this process starts with TRITON_INTERPRET off (tests/conftest.py turns it on for
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -84,10 +86,16 @@ def _torch_dtype(name):
 def _configs(kind, d, dtype, cc):
     """The configurations the launcher of ``kind`` would try on a GPU of compute capability ``cc``."""
     import helpers.triton_attention as ta
-    every = ta.launch_configs(kind, d, _torch_dtype(dtype), smem=None)
     if os.environ.get("COMPILE_EVERY_CONFIG"):  # what pruning leaves out too: to see what fits where
-        return every
-    return ta.launch_configs(kind, d, _torch_dtype(dtype), smem=TARGETS[cc]["smem"])
+        return ta.launch_configs(kind, d, _torch_dtype(dtype))
+    return ta.launch_configs(kind, d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"])
+
+
+def _meta(kind, cfg, d, dtype, cc, **kw):
+    """What the test checks beyond compiling: the launcher's estimate of the shared memory (an upper bound)."""
+    import helpers.triton_attention as ta
+    elt = 4 if dtype == "fp32" else 2
+    return dict(d=d, estimate=ta.smem_estimate(kind, cfg, d, elt, (cc // 10, cc % 10), **kw))
 
 
 def _use_tma(cc, dtype):
@@ -100,120 +108,135 @@ def _cfg_label(cfg):
 
 
 # ------------------------------------------------------------------ the tuned kernels (helpers/triton_*.py)
+VARIANT_TARGETS = (90, 86)  # one Hopper, and the sm_8x with the least shared memory: every variant compiled there
+
+
+def _plan(cc, kind, variants):
+    """(dtype, d, cfg, variant) to compile: every configuration the launcher keeps on sm_cc (fp16, d = 128,
+    the first variant: the shared-memory proof); on VARIANT_TARGETS also each other variant, bf16 and d = 64
+    at the first configuration. (Compiling all of them everywhere would take CI many minutes.)"""
+    try:
+        plan = [("fp16", 128, cfg, variants[0]) for cfg in _configs(kind, 128, "fp16", cc)]
+    except ValueError:  # nothing fits at d = 128 (the backward on a T4): the launcher says so; compile d = 64
+        plan = [("fp16", 64, cfg, variants[0]) for cfg in _configs(kind, 64, "fp16", cc)]
+    if cc in VARIANT_TARGETS:
+        first = plan[0][2]
+        plan += [("fp16", 128, first, v) for v in variants[1:]]
+        plan += [("bf16", 128, first, variants[0]), ("fp16", 64, _configs(kind, 64, "fp16", cc)[0], variants[0])]
+    return plan
+
+
 def fwd_jobs(cc, dtypes):
     import helpers.triton_attention as ta
+    plan = _plan(cc, "fwd", [(True, False), (False, False)])  # (causal, TMA)
+    if _use_tma(cc, "fp16"):  # TMA keeps Q and more K/V tiles in shared memory: every configuration
+        plan += [("fp16", 128, cfg, (True, True)) for cfg in _configs("fwd", 128, "fp16", cc)]
+        plan += [("bf16", 128, plan[0][2], (True, True))]
     jobs = []
-    for dtype in dtypes:
-        for d in (64, 128):
-            for tma in ((False, True) if _use_tma(cc, dtype) else (False,)):
-                for cfg in _configs("fwd", d, dtype, cc):
-                    for causal in (False, True):
-                        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal):
-                            fn = ta._attn_fwd
-                            bn = cfg["BLOCK_N"]
-                            desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
-                            sig, const, attrs = signature(
-                                fn, dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32"), ("qk_scale",),
-                                dict(desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
-                                     CAUSAL=causal, USE_TMA=tma), ints16=("N", "Nk"))
-                            return fn, sig, const, attrs, cfg
-                        jobs.append(Job("dense forward", f"{dtype} d={d} {'causal' if causal else 'full'}"
-                                        f"{' TMA' if tma else ''} {_cfg_label(cfg)}", build, dict(d=d)))
+    for dtype, d, cfg, (causal, tma) in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal):
+            fn = ta._attn_fwd
+            bn = cfg["BLOCK_N"]
+            desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
+            sig, const, attrs = signature(
+                fn, dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32"), ("qk_scale",),
+                dict(desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
+                     CAUSAL=causal, USE_TMA=tma), ints16=("N", "Nk"))
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job("dense forward", f"{dtype} d={d} {'causal' if causal else 'full'}"
+                        f"{' TMA' if tma else ''} {_cfg_label(cfg)}", build, _meta("fwd", cfg, d, dtype, cc)))
     return jobs
 
 
 def decode_jobs(cc, dtypes):
     import helpers.triton_attention as ta
-    # (name, HEAD_MAJOR, PAGE, VARLEN, CAUSAL, DIRECT, group, nq): flash_decode_triton and the kvcache variants
-    variants = [("flash_decode", True, 0, False, False, False, 4, 1),
-                ("kvcache contiguous, causal Nq=4", False, 0, True, True, False, 4, 4),
-                ("kvcache paged 16", False, 16, True, True, False, 4, 1),
+    # (name, HEAD_MAJOR, PAGE, VARLEN, CAUSAL, DIRECT, group, nq): the kvcache variants and flash_decode_triton
+    variants = [("kvcache paged 16", False, 16, True, True, False, 4, 1),
+                ("flash_decode", True, 0, False, False, False, 4, 1),
+                ("kvcache contiguous, causal Nq=4 x group 8", False, 0, True, True, False, 8, 4),
                 ("kvcache paged 256, one split", False, 256, True, True, True, 4, 1)]
     jobs = []
-    for dtype in dtypes:
-        d = 128
-        for cfg in _configs("decode", d, dtype, cc):
-            for name, head_major, page, varlen, causal, direct, group, nq in variants:
-                def build(cfg=cfg, dtype=dtype, head_major=head_major, page=page, varlen=varlen, causal=causal,
-                          direct=direct, group=group, nq=nq):
-                    fn = ta._decode_kernel
-                    block_h, num_rb = ta._decode_rows(group, nq)
-                    ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, O_part="fp32", LSE_part="fp32", Counter="i32",
-                                SeqLens="i32", BlockTable="i32")
-                    sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
-                        HKV=8, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
-                        HEAD_DIM=d, HEAD_MAJOR=head_major, PAGE=page, VARLEN=varlen, CAUSAL=causal, DIRECT=direct),
-                        ints16=("Nk", "max_blocks"))
-                    return fn, sig, const, attrs, cfg
-                jobs.append(Job("decode", f"{dtype} d={d} {name} {_cfg_label(cfg)}", build, dict(d=d)))
+    for dtype, d, cfg, (name, head_major, page, varlen, causal, direct, group, nq) in _plan(cc, "decode", variants):
+        def build(cfg=cfg, d=d, dtype=dtype, head_major=head_major, page=page, varlen=varlen, causal=causal,
+                  direct=direct, group=group, nq=nq):
+            fn = ta._decode_kernel
+            block_h, num_rb = ta._decode_rows(group, nq)
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, O_part="fp32", LSE_part="fp32", Counter="i32",
+                        SeqLens="i32", BlockTable="i32")
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
+                HKV=8, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
+                HEAD_DIM=d, HEAD_MAJOR=head_major, PAGE=page, VARLEN=varlen, CAUSAL=causal, DIRECT=direct),
+                ints16=("Nk", "max_blocks"))
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job("decode", f"{dtype} d={d} {name} {_cfg_label(cfg)}", build,
+                        _meta("decode", cfg, d, dtype, cc, block_h=ta._decode_rows(group, nq)[0])))
     return jobs
 
 
 def bwd_jobs(cc, dtypes):
-    import helpers.triton_attention as ta
     import helpers.triton_attention_bwd as tb
     jobs = []
     for dtype in dtypes:
-        for d in (64, 128):
+        for d in (64, 128) if cc in VARIANT_TARGETS else (128,):
             def pre(d=d, dtype=dtype):
                 fn = tb._bwd_preprocess
                 sig, const, attrs = signature(fn, dict(O=dtype, DO=dtype, LSE="fp32", DELTA="fp32", LSE2="fp32"),
                                               (), dict(HEAD_DIM=d, BLOCK_M=tb._PRE_BLOCK_M))
                 return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
-            jobs.append(Job("backward preprocess", f"{dtype} d={d} BLOCK_M={tb._PRE_BLOCK_M}", pre, dict(d=d)))
-            for cfg in _configs("dkdv", d, dtype, cc):
-                for causal, atomic, even in ((False, False, True), (True, False, False), (True, True, True)):
-                    def dkdv(cfg=cfg, d=d, dtype=dtype, causal=causal, atomic=atomic, even=even):
-                        fn = tb._bwd_dkdv
-                        ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK=dtype,
-                                    DV=dtype, DQ="fp32" if atomic else dtype)
-                        sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
-                            HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
-                            DQ_ATOMIC=atomic, EVEN=even), ints16=("N", "Nk") if even else ())
-                        return fn, sig, const, attrs, cfg
-                    jobs.append(Job("backward dK/dV", f"{dtype} d={d} {'causal' if causal else 'full'}"
-                                    f"{' atomic dQ' if atomic else ''}{'' if even else ' ragged'} {_cfg_label(cfg)}",
-                                    dkdv, dict(d=d)))
-            for cfg in _configs("dq", d, dtype, cc):
-                for causal, even in ((False, True), (True, False)):
-                    def dq(cfg=cfg, d=d, dtype=dtype, causal=causal, even=even):
-                        fn = tb._bwd_dq
-                        ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DQ=dtype)
-                        sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
-                            HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, EVEN=even),
-                            ints16=("N", "Nk") if even else ())
-                        return fn, sig, const, attrs, cfg
-                    jobs.append(Job("backward dQ", f"{dtype} d={d} {'causal' if causal else 'full'}"
-                                    f"{'' if even else ' ragged'} {_cfg_label(cfg)}", dq, dict(d=d)))
+            jobs.append(Job("backward preprocess", f"{dtype} d={d} BLOCK_M={tb._PRE_BLOCK_M}", pre))
 
         def cast(dtype=dtype):
             fn = tb._cast_rows
             sig, const, attrs = signature(fn, dict(SRC="fp32", DST=dtype), (), dict(BLOCK=1024), ints16=("numel",))
             return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
         jobs.append(Job("backward dQ cast", f"{dtype} BLOCK=1024", cast))
+
+    # (causal, atomic dQ, EVEN): EVEN = N, Nk multiples of the tiles (known when compiled: no ragged loops)
+    for dtype, d, cfg, (causal, atomic, even) in _plan(cc, "dkdv", [(True, False, True), (False, False, True),
+                                                                    (True, False, False), (True, True, True)]):
+        def dkdv(cfg=cfg, d=d, dtype=dtype, causal=causal, atomic=atomic, even=even):
+            fn = tb._bwd_dkdv
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK=dtype,
+                        DV=dtype, DQ="fp32" if atomic else dtype)
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
+                HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
+                DQ_ATOMIC=atomic, EVEN=even), ints16=("N", "Nk") if even else ())
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job("backward dK/dV", f"{dtype} d={d} {'causal' if causal else 'full'}"
+                        f"{' atomic dQ' if atomic else ''}{'' if even else ' ragged'} {_cfg_label(cfg)}",
+                        dkdv, _meta("dkdv", cfg, d, dtype, cc, atomic=atomic)))
+    for dtype, d, cfg, (causal, even) in _plan(cc, "dq", [(True, True), (False, True), (True, False)]):
+        def dq(cfg=cfg, d=d, dtype=dtype, causal=causal, even=even):
+            fn = tb._bwd_dq
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DQ=dtype)
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
+                HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, EVEN=even),
+                ints16=("N", "Nk") if even else ())
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job("backward dQ", f"{dtype} d={d} {'causal' if causal else 'full'}"
+                        f"{'' if even else ' ragged'} {_cfg_label(cfg)}", dq, _meta("dq", cfg, d, dtype, cc)))
     return jobs
 
 
 def varlen_jobs(cc, dtypes):
-    import helpers.triton_attention as ta
     import helpers.triton_varlen as tv
+    plan = _plan(cc, "varlen", [False])  # TMA
+    if _use_tma(cc, "fp16"):
+        plan += [("fp16", 128, cfg, True) for cfg in _configs("varlen", 128, "fp16", cc)]
     jobs = []
-    for dtype in dtypes:
-        for d in (64, 128):
-            for tma in ((False, True) if _use_tma(cc, dtype) else (False,)):
-                for cfg in _configs("varlen", d, dtype, cc):
-                    def build(cfg=cfg, d=d, dtype=dtype, tma=tma):
-                        fn = tv._attn_fwd_varlen
-                        bn = cfg["BLOCK_N"]
-                        desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
-                        ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", SEQ_IDX="i32", Q_START="i32",
-                                    CU_Q="i32", CU_K="i32")
-                        sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
-                            desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, CAUSAL=True,
-                            USE_TMA=tma))
-                        return fn, sig, const, attrs, cfg
-                    jobs.append(Job("varlen forward", f"{dtype} d={d} causal{' TMA' if tma else ''} "
-                                    f"{_cfg_label(cfg)}", build, dict(d=d)))
+    for dtype, d, cfg, tma in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, tma=tma):
+            fn = tv._attn_fwd_varlen
+            bn = cfg["BLOCK_N"]
+            desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", SEQ_IDX="i32", Q_START="i32",
+                        CU_Q="i32", CU_K="i32")
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
+                desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, CAUSAL=True,
+                USE_TMA=tma))
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job("varlen forward", f"{dtype} d={d} causal{' TMA' if tma else ''} {_cfg_label(cfg)}",
+                        build, _meta("varlen", cfg, d, dtype, cc)))
     return jobs
 
 
@@ -226,8 +249,10 @@ def notebook_ns(name):
 def lesson07_jobs(cc, dtypes):
     ns = notebook_ns("07_triton_gpu")
     jobs = []
-    for dtype in dtypes:
-        for d, causal in ((32, True), (64, False), (64, True)):  # the checker's largest d, the benchmark's d
+    more = cc in VARIANT_TARGETS
+    for dtype in dtypes if more else ["fp16"]:
+        # the benchmark's d (64), and on VARIANT_TARGETS the checker's largest (32) and the full mask too
+        for d, causal in ((64, True), (64, False), (32, True)) if more and dtype == "fp16" else ((64, True),):
             def fwd(d=d, dtype=dtype, causal=causal):
                 fn = ns["attn_fwd"]
                 cfg = _notebook_fwd_config(ns, d)
@@ -270,8 +295,9 @@ def lesson08_jobs(cc, dtypes):
     import helpers.triton_attention_bwd as tb
     ns = notebook_ns("08_backward_pass")
     jobs = []
-    for dtype in dtypes:
-        for d in (32, 64):  # the checker's largest d; the notebook's flash_attention demo uses 32
+    more = cc in VARIANT_TARGETS
+    for dtype in dtypes if more else ["fp16"]:
+        for d in (32, 64) if more and dtype == "fp16" else (32,):  # the checker's largest d (32); 64
             def build(dtype=dtype, d=d):
                 fn = tb._teach_dkdv
                 ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK=dtype, DV=dtype)
@@ -335,10 +361,13 @@ def kernels_for(cc):
 
 
 def jobs_for(cc, kernels):
-    dtypes = ["fp16", "bf16"] if TARGETS[cc]["bf16"] else ["fp16"]
+    dtypes = ["fp16", "bf16"] if TARGETS[cc]["bf16"] and cc in VARIANT_TARGETS else ["fp16"]
     jobs = []
     for fn in dict.fromkeys(KERNELS[k] for k in kernels if k in kernels_for(cc)):  # each function once, in order
-        jobs += [j for j in fn(cc, dtypes) if j.kernel in kernels]
+        listed = fn(cc, dtypes)
+        unknown = {j.kernel for j in listed} - set(KERNELS)
+        assert not unknown, f"jobs for kernels no test asks for: {unknown} (add them to KERNELS)"
+        jobs += [j for j in listed if j.kernel in kernels]
     return jobs
 
 
@@ -348,8 +377,12 @@ def run(cc, kernels):
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
     target = GPUTarget("cuda", cc, 32)
+    def cpu():  # this process's CPU time and its finished children's (ptxas)
+        ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + ch.ru_utime + ch.ru_stime
+
     for job in jobs_for(cc, kernels):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu()
         res = dict(kernel=job.kernel, config=job.config, cc=cc, **job.meta)
         try:
             fn, sig, const, attrs, cfg = job.build()
@@ -359,7 +392,7 @@ def run(cc, kernels):
         except Exception as e:  # noqa: BLE001 - reported to the test, which names kernel, config and target
             msg = "".join(traceback.format_exception_only(type(e), e)).strip()
             res.update(ok=False, error=f"{type(e).__name__}: {msg[-3000:]}")
-        res["seconds"] = round(time.perf_counter() - t0, 2)
+        res.update(seconds=round(time.perf_counter() - t0, 2), cpu_seconds=round(cpu() - c0, 2))
         yield res
 
 
@@ -369,9 +402,32 @@ def main(argv):
         print(json.dumps(res), flush=True)
 
 
+def drive(out_dir, plan, parallel):
+    """Compile ``plan`` ({cc: [kernel, ...]}) in one child per target, ``parallel`` at a time, slowest first
+    (sm_75: no tensor cores, big kernels). Each target's results land in out_dir/compile_sm<cc>.jsonl when its
+    child is done, or its error output in compile_sm<cc>.failed."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(cc):
+        out = os.path.join(out_dir, f"compile_sm{cc}")
+        proc = subprocess.run([sys.executable, "-m", "tests.compile_kernels", str(cc), *plan[cc]],
+                              capture_output=True, text=True)
+        with open(out + ".tmp", "w") as f:
+            f.write(proc.stdout if proc.returncode == 0 else f"exit {proc.returncode}\n{proc.stderr[-4000:]}")
+        os.replace(out + ".tmp", out + (".jsonl" if proc.returncode == 0 else ".failed"))
+
+    order = sorted(plan, key=lambda cc: (cc != 75, -cc))
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        list(pool.map(one, order))
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y"):
         sys.exit("tests/compile_kernels.py compiles for GPUs: run it with TRITON_INTERPRET unset")
     os.environ["TRITON_INTERPRET"] = "0"  # tests/conftest.py (imported for the notebooks) must not turn it on
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    main(sys.argv[1:])
+    if sys.argv[1] == "--drive":  # --drive OUT_DIR PARALLEL PLAN_JSON
+        drive(sys.argv[2], {int(k): v for k, v in json.loads(sys.argv[4]).items()}, int(sys.argv[3]))
+    else:
+        main(sys.argv[1:])
