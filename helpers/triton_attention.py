@@ -833,12 +833,12 @@ def smem_estimate(kind, cfg, d, elt, capability, block_h=64, atomic=False):
     kernel adds dQ atomically (fp32 tiles of dQ and dS^T on their way to the atomics)."""
     bm, bn, stages = cfg.get("BLOCK_M", 0), cfg["BLOCK_N"], cfg["num_stages"]
     hopper = capability[0] >= 9
-    if capability < (8, 0):  # no pipelining, dots on CUDA cores: both operands of each dot staged, 2 d-wide tiles
+    if capability < (8, 0):  # no pipelining, dots on CUDA cores: the operands of the dots staged in shared memory
         outer, inner = (block_h if kind == "decode" else bm), bn
         if kind == "dkdv":  # one program owns BLOCK_N keys and streams the BLOCK_M query rows
             outer, inner = bn, bm
         tiles = 2 * outer + inner if kind in ("dkdv", "dq") else outer + inner
-        return tiles * 2 * d * elt
+        return max(tiles * 2 * d * elt, 8 * outer * inner)  # d-wide tiles, or (small d) the fp32 scores
     if kind in ("fwd", "varlen"):  # K, V tiles in flight; Q too on sm_90 (wgmma's operand)
         return stages * 2 * bn * d * elt + (bm * d * elt if hopper else 0) + _SMEM_SLACK
     if kind == "decode":  # K, V tiles in flight; the query tile and P

@@ -11,10 +11,12 @@ bench/compile_decode_sm90.py does for the decode kernel: TTIR, TTGIR, LLVM IR, P
 ptxas that ships in Triton's wheel. What the interpreter lets through and the compiler rejects (a constexpr
 that is not one, a bf16 conversion, a layout) fails here.
 
-Which configurations: those the launcher would try on that GPU (``helpers.triton_attention.configs_for``
-prunes the autotune sets by the device's shared memory), the fixed ones of the teaching launchers, and the
-kernels defined in the worked notebooks' cells (taken from solutions/*.ipynb, as the tests do). The
-planted-bug kernels of the tests run only on the maintainers' GPU (an H200), so they compile for sm_90 only.
+Which configurations: on every target, each configuration the launcher would try there
+(``helpers.triton_attention.launch_configs`` prunes the autotune sets by the GPU's shared memory) in fp16 at
+d = 128, the fixed ones of the teaching launchers, the kernels defined in the worked notebooks' cells (taken
+from solutions/*.ipynb, as the tests take them) and the checker's probe; on sm_90 also TMA, the other masks
+and layouts and d = 64; on sm_90 and sm_86 bf16. The planted-bug kernels of the tests run only in the maintainers'
+GPU test runs (an H200), so they compile for sm_90 only.
 """
 from __future__ import annotations
 
@@ -108,21 +110,24 @@ def _cfg_label(cfg):
 
 
 # ------------------------------------------------------------------ the tuned kernels (helpers/triton_*.py)
-VARIANT_TARGETS = (90, 86)  # one Hopper, and the sm_8x with the least shared memory: every variant compiled there
+VARIANT_TARGETS = (90,)  # every variant (masks, layouts, TMA, d = 64) compiled there
+BF16_TARGETS = (90, 86)  # bf16 too: a Hopper and the sm_8x with the least shared memory
 
 
 def _plan(cc, kind, variants):
     """(dtype, d, cfg, variant) to compile: every configuration the launcher keeps on sm_cc (fp16, d = 128,
-    the first variant: the shared-memory proof); on VARIANT_TARGETS also each other variant, bf16 and d = 64
-    at the first configuration. (Compiling all of them everywhere would take CI many minutes.)"""
+    the first variant: the shared-memory proof); on VARIANT_TARGETS also each other variant and d = 64, on
+    BF16_TARGETS bf16, at the first configuration. (All of them everywhere would take CI many minutes.)"""
     try:
         plan = [("fp16", 128, cfg, variants[0]) for cfg in _configs(kind, 128, "fp16", cc)]
     except ValueError:  # nothing fits at d = 128 (the backward on a T4): the launcher says so; compile d = 64
         plan = [("fp16", 64, cfg, variants[0]) for cfg in _configs(kind, 64, "fp16", cc)]
+    first = plan[0][2]
     if cc in VARIANT_TARGETS:
-        first = plan[0][2]
         plan += [("fp16", 128, first, v) for v in variants[1:]]
-        plan += [("bf16", 128, first, variants[0]), ("fp16", 64, _configs(kind, 64, "fp16", cc)[0], variants[0])]
+        plan += [("fp16", 64, _configs(kind, 64, "fp16", cc)[0], variants[0])]
+    if cc in BF16_TARGETS:
+        plan += [("bf16", 128, first, variants[0])]
     return plan
 
 
@@ -131,7 +136,6 @@ def fwd_jobs(cc, dtypes):
     plan = _plan(cc, "fwd", [(True, False), (False, False)])  # (causal, TMA)
     if _use_tma(cc, "fp16"):  # TMA keeps Q and more K/V tiles in shared memory: every configuration
         plan += [("fp16", 128, cfg, (True, True)) for cfg in _configs("fwd", 128, "fp16", cc)]
-        plan += [("bf16", 128, plan[0][2], (True, True))]
     jobs = []
     for dtype, d, cfg, (causal, tma) in plan:
         def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal):
@@ -177,7 +181,7 @@ def bwd_jobs(cc, dtypes):
     import helpers.triton_attention_bwd as tb
     jobs = []
     for dtype in dtypes:
-        for d in (64, 128) if cc in VARIANT_TARGETS else (128,):
+        for d in (64, 128) if cc in VARIANT_TARGETS and dtype == "fp16" else (128,):
             def pre(d=d, dtype=dtype):
                 fn = tb._bwd_preprocess
                 sig, const, attrs = signature(fn, dict(O=dtype, DO=dtype, LSE="fp32", DELTA="fp32", LSE2="fp32"),
@@ -221,8 +225,8 @@ def bwd_jobs(cc, dtypes):
 def varlen_jobs(cc, dtypes):
     import helpers.triton_varlen as tv
     plan = _plan(cc, "varlen", [False])  # TMA
-    if _use_tma(cc, "fp16"):
-        plan += [("fp16", 128, cfg, True) for cfg in _configs("varlen", 128, "fp16", cc)]
+    if _use_tma(cc, "fp16"):  # the dense forward's body: its TMA path is compiled in every configuration above
+        plan += [("fp16", 128, plan[0][2], True)]
     jobs = []
     for dtype, d, cfg, tma in plan:
         def build(cfg=cfg, d=d, dtype=dtype, tma=tma):
@@ -250,7 +254,7 @@ def lesson07_jobs(cc, dtypes):
     ns = notebook_ns("07_triton_gpu")
     jobs = []
     more = cc in VARIANT_TARGETS
-    for dtype in dtypes if more else ["fp16"]:
+    for dtype in dtypes:
         # the benchmark's d (64), and on VARIANT_TARGETS the checker's largest (32) and the full mask too
         for d, causal in ((64, True), (64, False), (32, True)) if more and dtype == "fp16" else ((64, True),):
             def fwd(d=d, dtype=dtype, causal=causal):
@@ -296,7 +300,7 @@ def lesson08_jobs(cc, dtypes):
     ns = notebook_ns("08_backward_pass")
     jobs = []
     more = cc in VARIANT_TARGETS
-    for dtype in dtypes if more else ["fp16"]:
+    for dtype in dtypes:
         for d in (32, 64) if more and dtype == "fp16" else (32,):  # the checker's largest d (32); 64
             def build(dtype=dtype, d=d):
                 fn = tb._teach_dkdv
@@ -361,7 +365,7 @@ def kernels_for(cc):
 
 
 def jobs_for(cc, kernels):
-    dtypes = ["fp16", "bf16"] if TARGETS[cc]["bf16"] and cc in VARIANT_TARGETS else ["fp16"]
+    dtypes = ["fp16", "bf16"] if TARGETS[cc]["bf16"] and cc in BF16_TARGETS else ["fp16"]
     jobs = []
     for fn in dict.fromkeys(KERNELS[k] for k in kernels if k in kernels_for(cc)):  # each function once, in order
         listed = fn(cc, dtypes)

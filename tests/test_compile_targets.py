@@ -45,10 +45,10 @@ def _child_env(cache_dir):
 
 
 def _selected_kernels(session, cc):
-    """The kernels this run's selected tests need on sm_cc (all of them when none is selected by name)."""
+    """The kernels this run's selected tests need on sm_cc (``-k`` may select a few)."""
     wanted = [item.callspec.params.get("kernel") for item in session.items
               if hasattr(item, "callspec") and item.callspec.params.get("cc") == cc]
-    return [k for k in kernels_for(cc) if k in wanted] or kernels_for(cc)
+    return [k for k in kernels_for(cc) if k in wanted]
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +63,7 @@ def compiled(tmp_path_factory, request):
     with FileLock(str(shared_dir / "compile.lock")):
         if not (shared_dir / "compile.started").exists():
             plan = {cc: _selected_kernels(request.session, cc) for cc in TARGETS}
+            plan = {cc: kernels for cc, kernels in plan.items() if kernels}
             subprocess.Popen([sys.executable, "-m", "tests.compile_kernels", "--drive", str(shared_dir),
                               str(PARALLEL), json.dumps(plan)], cwd=ROOT, env=_child_env(shared_dir / "triton-cache"),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
