@@ -28,7 +28,9 @@ import pytest
 import torch
 from filelock import FileLock
 
-from tests.compile_kernels import TARGETS, kernels_for
+pytest.importorskip("triton")  # Linux only (PyPI): nothing to compile with elsewhere
+
+from tests.compile_kernels import TARGETS, kernels_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD_TIMEOUT = 900  # seconds to wait for one target's compiles
@@ -112,7 +114,8 @@ import helpers.triton_varlen as tv  # noqa: E402
 # kind -> head dim -> (the autotuner, what its launcher passes besides the tensors)
 TUNED = {"fwd": lambda d: (ta._attn_fwd_tuned, {}), "dkdv": lambda d: (tb._bwd_dkdv_tuned, {}),
          "dq": lambda d: (tb._bwd_dq_tuned, {}),
-         "varlen": lambda d: (tv._attn_fwd_varlen_tuned[tv._d_class(d)], {"BLOCK_M": tv._VARLEN_SHAPES[tv._d_class(d)][0]})}
+         "varlen": lambda d: (tv._attn_fwd_varlen_tuned[tv._d_class(d)],
+                              {"BLOCK_M": tv._VARLEN_SHAPES[tv._d_class(d)][0]})}
 
 
 def _capability(cc):
