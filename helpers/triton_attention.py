@@ -216,12 +216,14 @@ def _attn_fwd(
 _INTERPRETER_FWD_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): a small set around what won on an H200
+_FWD_SHAPES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3)]
+
+
 def _fwd_configs():
-    # (BLOCK_M, BLOCK_N, num_warps, num_stages): a small set around what won on an H200
-    shapes = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_kv_block_shape)
-        for bm, bn, w, s in shapes
+        for bm, bn, w, s in _FWD_SHAPES
     ]
 
 
@@ -235,6 +237,7 @@ def _set_kv_block_shape(nargs):
 _attn_fwd_tuned = triton.autotune(
     configs=_fwd_configs(),
     key=["N", "Nk", "HEAD_DIM", "CAUSAL", "USE_TMA"],
+    prune_configs_by={"early_config_prune": lambda configs, nargs, **kw: prune_for_device("fwd", configs, nargs, kw)},
 )(_attn_fwd)
 
 _DTYPES_GPU = (torch.float16, torch.bfloat16, torch.float32)
@@ -289,12 +292,23 @@ def _check_qkv(q, k, v, ndims, names=("q", "k", "v")):
         _check_tensor(name, x, ndim, dtypes)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"{', '.join(names)} must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device.type == "cuda" and not _interpreting():
+        check_dtype_for(_device_limits(q.device)[0], q.dtype)
 
 
 def _use_tma_default(q):
-    if _interpreting() or TensorDescriptor is None or q.device.type != "cuda":
+    if _interpreting() or q.device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(q.device)[0] >= 9 and q.dtype != torch.float32
+    return use_tma_for(_device_limits(q.device)[0], q.dtype)
+
+
+def _check_use_tma(use_tma, q):
+    """An explicit use_tma=True on a GPU without TMA (before sm_90): a clear error, not a compile error."""
+    if use_tma and not _interpreting() and q.device.type == "cuda":
+        cap = _device_limits(q.device)[0]
+        if not use_tma_for(cap, q.dtype):
+            raise ValueError(f"use_tma=True needs TMA (compute capability 9.0 or newer, fp16 or bf16); this is "
+                             f"sm_{cap[0]}{cap[1]} with {str(q.dtype).replace('torch.', '')}: leave use_tma=None")
 
 
 def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *, use_tma=None, config=None):
@@ -340,6 +354,7 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N]
     if use_tma is None:
         use_tma = _use_tma_default(q)
+    _check_use_tma(use_tma, q)
     desc_k = desc_v = None
     if use_tma:
         dummy_block = [16, d]  # replaced by the config's pre_hook
@@ -628,11 +643,18 @@ def _decode_workspace(device, programs, num_splits, block_h, d):
     return new
 
 
-def _tune_decode(key, launch):
-    """Time each shape of _DECODE_SHAPES once for this key; keep the fastest."""
+def _decode_configs(q, d, block_h):
+    """The shapes of _DECODE_SHAPES that fit q's GPU (every one under the interpreter)."""
+    if q.device.type != "cuda" or _interpreting():
+        return _shapes("decode", d)
+    cap, smem = _device_limits(q.device)
+    return fitting_configs("decode", _shapes("decode", d), d, q.dtype, cap, smem, block_h=block_h)
+
+
+def _tune_decode(key, launch, configs):
+    """Time each configuration once for this key; keep the fastest."""
     best, error = None, None
-    for bn, w, s in _DECODE_SHAPES:
-        cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=s)
+    for cfg in configs:
         try:
             ms = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=25, return_mode="median")
         except triton.runtime.errors.OutOfResources as e:  # e.g. d = 256: these tiles overflow shared memory
@@ -735,8 +757,8 @@ def _decode_launch(q, k, v, o, seqlens, block_table, *, B, Hkv, group, nq, d, Nk
         config = _decode_choice.get(key)
         if config is None:
             # timing inside CUDA-graph capture is impossible: take the first shape there, untuned
-            config = dict(zip(("BLOCK_N", "num_warps", "num_stages"), _DECODE_SHAPES[0])) \
-                if _capturing(q.device) else _tune_decode(key, launch)
+            configs = _decode_configs(q, d, block_h)
+            config = configs[0] if _capturing(q.device) else _tune_decode(key, launch, configs)
     launch(config)
     return o
 
@@ -765,3 +787,119 @@ def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None)
     return _decode_launch(q, k, v, o, None, None, B=B, Hkv=Hkv, group=H // Hkv, nq=1, d=d, Nk=Nk,
                           stride_kb=Hkv * Nk * d, max_blocks=0, head_major=True, page=0, causal=False,
                           num_splits=num_splits, sm_scale=sm_scale, config=config)
+
+
+# ----------------------------------------------------------------------------
+# What a GPU can run: shared memory per configuration, TMA, bf16
+# ----------------------------------------------------------------------------
+
+
+def _shapes(kind, d):
+    """The launcher's configurations of ``kind`` for head dim d, as dicts (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if kind == "fwd":
+        shapes = _FWD_SHAPES
+    elif kind == "decode":
+        return [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn, w, s in _DECODE_SHAPES]
+    elif kind in ("dkdv", "dq"):
+        from . import triton_attention_bwd as tb
+        shapes = tb._DKDV_SHAPES if kind == "dkdv" else tb._DQ_SHAPES
+    elif kind == "varlen":
+        from . import triton_varlen as tv
+        bm, rest = tv._VARLEN_SHAPES[tv._d_class(d)]
+        shapes = [(bm, bn, w, s) for bn, w, s in rest]
+    else:
+        raise ValueError(f"unknown kernel kind {kind!r}")
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+
+
+# Shared memory one configuration takes, in bytes: upper bounds fitted to what Triton 3.9 lays out when it
+# compiles the kernels for sm_90 and sm_8x (tests/test_compile_targets.py checks them against every compiled
+# configuration). Mostly the pipelined tiles: num_stages of them in flight. Before sm_80 Triton neither
+# pipelines nor uses tensor cores, and the launchers keep only their smallest configuration there.
+_SMEM_SLACK = 2048  # barriers and small scratch
+
+
+def smem_estimate(kind, cfg, d, elt, capability, block_h=64, atomic=False):
+    """Shared memory (bytes) of kernel ``kind`` in configuration ``cfg`` for head dim d and elt-byte inputs on a
+    GPU of this (major, minor); ``block_h``: the decode kernel's query rows per program; ``atomic``: the dK/dV
+    kernel adds dQ atomically (fp32 tiles of dQ and dS^T on their way to the atomics)."""
+    bm, bn, stages = cfg.get("BLOCK_M", 0), cfg["BLOCK_N"], cfg["num_stages"]
+    hopper = capability[0] >= 9
+    if capability < (8, 0):  # no pipelining, dots on CUDA cores: the operands of the dots staged in shared memory
+        outer, inner = (block_h if kind == "decode" else bm), bn
+        if kind == "dkdv":  # one program owns BLOCK_N keys and streams the BLOCK_M query rows
+            outer, inner = bn, bm
+        tiles = 2 * outer + inner if kind in ("dkdv", "dq") else outer + inner
+        return max(tiles * 2 * d * elt, 8 * outer * inner)  # d-wide tiles, or (small d) the fp32 scores
+    if kind in ("fwd", "varlen"):  # K, V tiles in flight; Q too on sm_90 (wgmma's operand)
+        return stages * 2 * bn * d * elt + (bm * d * elt if hopper else 0) + _SMEM_SLACK
+    if kind == "decode":  # K, V tiles in flight; the query tile and P
+        return (stages - 1) * 2 * bn * d * elt + block_h * (d + bn) * elt + _SMEM_SLACK
+    if kind == "dkdv":  # q, dO tiles in flight; K, V
+        return stages * 2 * bm * d * elt + 2 * bn * d * elt + (bm * (d + bn) * 4 if atomic else 0) + _SMEM_SLACK
+    if kind == "dq":  # K, V tiles in flight; q, dO
+        return stages * 2 * bn * d * elt + 2 * bm * d * elt + _SMEM_SLACK
+    raise ValueError(f"unknown kernel kind {kind!r}")
+
+
+def fitting_configs(kind, configs, d, dtype, capability, smem, **shape):
+    """The configurations (dicts) of ``configs`` a launcher tries on a GPU of this capability with ``smem`` bytes
+    of shared memory per block: those that fit; before sm_80 only the first that fits (no pipelining there, and
+    each compile of these kernels takes a CPU about a minute without tensor cores)."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    keep = [c for c in configs if smem_estimate(kind, c, d, elt, capability, **shape) <= smem]
+    if capability < (8, 0):
+        keep = keep[:1]
+    if not keep:
+        raise ValueError(f"no configuration of the {kind} kernel fits this GPU's {smem // 1024} KB of shared memory "
+                         f"per block at head dim {d} (sm_{capability[0]}{capability[1]}): use a smaller head dim")
+    return keep
+
+
+def launch_configs(kind, d, dtype, capability=None, smem=None):
+    """The configurations the launcher of ``kind`` tries for head dim d and ``dtype``: every one (capability
+    None), or those ``fitting_configs`` keeps on a GPU of this capability and shared memory."""
+    configs = _shapes(kind, d)
+    return configs if capability is None else fitting_configs(kind, configs, d, dtype, capability, smem)
+
+
+def _config_dict(c):
+    return dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+def prune_for_device(kind, configs, nargs, kwargs):
+    """triton.autotune's early_config_prune: the triton.Configs that fit the GPU of the query tensor Q."""
+    args = {**nargs, **kwargs}
+    q = args["Q"]
+    if q.device.type != "cuda" or _interpreting():
+        return configs
+    cap, smem = _device_limits(q.device)
+    fixed = {"BLOCK_M": args["BLOCK_M"]} if "BLOCK_M" in args else {}  # the varlen kernel's, fixed per head dim
+    as_dict = {id(c): {**fixed, **_config_dict(c)} for c in configs}
+    keep = fitting_configs(kind, list(as_dict.values()), args["HEAD_DIM"], q.dtype, cap, smem,
+                           atomic=bool(args.get("DQ_ATOMIC", False)))
+    return [c for c in configs if as_dict[id(c)] in keep]
+
+
+_limits = {}  # device index -> ((major, minor), shared memory per block in bytes)
+
+
+def _device_limits(device):
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _limits:
+        props = torch.cuda.get_device_properties(idx)
+        _limits[idx] = ((props.major, props.minor), props.shared_memory_per_block_optin)
+    return _limits[idx]
+
+
+def use_tma_for(capability, dtype):
+    """Whether the forward kernels load K and V through TMA descriptors on a GPU of this (major, minor)."""
+    return TensorDescriptor is not None and capability[0] >= 9 and dtype != torch.float32
+
+
+def check_dtype_for(capability, dtype):
+    """Raise a ValueError naming the way out when a GPU of this (major, minor) cannot run ``dtype`` here:
+    bf16 before sm_80 (a T4 is sm_75: no bf16 arithmetic; Triton would emulate it, slowly, if it compiles)."""
+    if dtype == torch.bfloat16 and capability < (8, 0):
+        raise ValueError(f"bfloat16 needs a GPU of compute capability 8.0 or newer (A100, RTX 30/40, L4, H100); "
+                         f"this one is sm_{capability[0]}{capability[1]} (a T4 is sm_75): use torch.float16")

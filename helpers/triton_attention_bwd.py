@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import LOG2E, _check_qkv, _interpreting, flash_attn_triton
+from .triton_attention import LOG2E, _check_qkv, _interpreting, flash_attn_triton, prune_for_device
 
 __all__ = ["flash_attention", "flash_attn_bwd_triton", "FlashAttentionFunction", "DEFAULT_DQ_MODE"]
 
@@ -303,10 +303,15 @@ def _configs(shapes):
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
 
 
+def _prune(kind):  # triton.autotune's early_config_prune: the configurations that fit this GPU
+    return {"early_config_prune": lambda configs, nargs, **kw: prune_for_device(kind, configs, nargs, kw)}
+
+
 _bwd_dkdv_tuned = triton.autotune(configs=_configs(_DKDV_SHAPES), key=["N", "Nk", "HEAD_DIM", "CAUSAL", "DQ_ATOMIC"],
-                                  reset_to_zero=["DQ"])(triton.heuristics({"EVEN": _even})(_bwd_dkdv))
-_bwd_dq_tuned = triton.autotune(configs=_configs(_DQ_SHAPES), key=["N", "Nk", "HEAD_DIM", "CAUSAL"])(
-    triton.heuristics({"EVEN": _even})(_bwd_dq))
+                                  reset_to_zero=["DQ"], prune_configs_by=_prune("dkdv"))(
+    triton.heuristics({"EVEN": _even})(_bwd_dkdv))
+_bwd_dq_tuned = triton.autotune(configs=_configs(_DQ_SHAPES), key=["N", "Nk", "HEAD_DIM", "CAUSAL"],
+                                prune_configs_by=_prune("dq"))(triton.heuristics({"EVEN": _even})(_bwd_dq))
 
 
 def _check_inputs(q, k, v, causal, align):

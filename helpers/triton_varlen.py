@@ -32,9 +32,11 @@ from .triton_attention import (
     _attn_fwd_rows,
     _check_head_dim,
     _check_qkv,
+    _check_use_tma,
     _interpreting,
     _set_kv_block_shape,
     _use_tma_default,
+    prune_for_device,
 )
 
 __all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m"]
@@ -174,7 +176,8 @@ def varlen_block_m(d):
 def _tuned(d_class):
     configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_kv_block_shape)
                for bn, w, s in _VARLEN_SHAPES[d_class][1]]
-    return triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "USE_TMA"])(_attn_fwd_varlen)
+    return triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "USE_TMA"], prune_configs_by={
+        "early_config_prune": lambda cs, nargs, **kw: prune_for_device("varlen", cs, nargs, kw)})(_attn_fwd_varlen)
 
 
 _attn_fwd_varlen_tuned = {c: _tuned(c) for c in _VARLEN_SHAPES}
@@ -287,6 +290,7 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         seq_idx, q_start = (t.contiguous() for t in block_map)
     if use_tma is None:
         use_tma = _use_tma_default(q)
+    _check_use_tma(use_tma, q)
     desc_k = desc_v = None
     if use_tma:
         dummy_block = [16, d]  # replaced by the config's pre_hook

@@ -7,6 +7,7 @@ swapped into a fresh copy of the notebook's namespace: the outer kernel looks ``
 """
 from __future__ import annotations
 
+import functools
 import math
 import types
 
@@ -87,8 +88,8 @@ def _with_bug(template, bug):
     interpreter and compiler both read a kernel's globals, not a closure)."""
     fn = types.FunctionType(template.__code__, {**template.__globals__, "BUG": tl.constexpr(bug)},
                             template.__name__, template.__defaults__)
-    fn.__annotations__ = dict(template.__annotations__)   # `X: tl.constexpr`: the compiler reads these
-    return triton.jit(fn)
+    # keep the annotations: Triton's compiler (not its interpreter) reads tl.constexpr from them
+    return triton.jit(functools.update_wrapper(fn, template, updated=()))
 
 
 def _attn_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, qk_scale, Nk,

@@ -267,14 +267,19 @@ def _probe_kernel(Q, K, V, O, LSE, ROW0, Nk, qk_scale, LO,
 
 
 def _probe(inner):
+    """``_probe_kernel`` jitted with ``attn_inner`` bound to the learner's function.
+
+    The rebuilt function keeps the kernel's annotations: Triton reads ``tl.constexpr`` from them when it
+    compiles (the interpreter does not), so without them BLOCK_M would reach ``tl.arange`` as a run-time int.
+    """
+    import functools
     import types
 
     import triton
     import triton.language as tl
     scope = dict(globals(), attn_inner=inner, tl=tl, triton=triton)
-    probe = types.FunctionType(_probe_kernel.__code__, scope, _probe_kernel.__name__)
-    probe.__annotations__ = dict(_probe_kernel.__annotations__)   # `BLOCK_M: tl.constexpr`: the compiler reads these
-    return triton.jit(probe)
+    fn = types.FunctionType(_probe_kernel.__code__, scope, _probe_kernel.__name__, _probe_kernel.__defaults__)
+    return triton.jit(functools.update_wrapper(fn, _probe_kernel, updated=()))
 
 
 def _safe_max(g) -> bool:

@@ -1,0 +1,437 @@
+"""Every ``@triton.jit`` kernel the course launches, compiled for one GPU target by Triton's own compiler, no GPU.
+
+    python -m tests.compile_kernels 90 ["dense forward" ...]     # prints one JSON line per compile
+    python -m tests.compile_kernels --drive OUT_DIR 2 '{"90": [...], "75": [...]}'   # one child per target
+
+Run as a child process by tests/test_compile_targets.py: Triton decides between its interpreter and its compiler
+when a kernel is decorated, so this process starts with TRITON_INTERPRET off (tests/conftest.py turns it on for
+the test process itself). Each job is ``triton.compile(ASTSource(fn, signature, constexprs, attrs),
+target=GPUTarget("cuda", cc, 32))`` with the launch options the course uses (num_warps, num_stages), as
+bench/compile_decode_sm90.py does for the decode kernel: TTIR, TTGIR, LLVM IR, PTX and a cubin through the
+ptxas that ships in Triton's wheel. What the interpreter lets through and the compiler rejects (a constexpr
+that is not one, a bf16 conversion, a layout) fails here.
+
+Which configurations: on every target, each configuration the launcher would try there
+(``helpers.triton_attention.launch_configs`` prunes the autotune sets by the GPU's shared memory) in fp16 at
+d = 128, the fixed ones of the teaching launchers, the kernels defined in the worked notebooks' cells (taken
+from solutions/*.ipynb, as the tests take them) and the checker's probe; on sm_90 also TMA, the other masks
+and layouts and d = 64; on sm_90 and sm_86 bf16. The planted-bug kernels of the tests run only in the maintainers'
+GPU test runs (an H200), so they compile for sm_90 only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+# Architectures the course's learners have, the largest shared memory one block may use on each (bytes, the
+# "opt-in" maximum of NVIDIA's CUDA C++ Programming Guide, table of technical specifications per compute
+# capability), and whether the GPU has bf16 tensor cores.
+TARGETS = {
+    90: dict(gpus="H100, H200", smem=227 * 1024, bf16=True),
+    89: dict(gpus="RTX 40, L4", smem=99 * 1024, bf16=True),
+    86: dict(gpus="RTX 30, A10", smem=99 * 1024, bf16=True),
+    80: dict(gpus="A100", smem=163 * 1024, bf16=True),
+    75: dict(gpus="T4", smem=64 * 1024, bf16=False),
+}
+
+
+@dataclass
+class Job:
+    """One compile: ``kernel`` (the test's name for it), ``config`` (what varies), and how to build it."""
+    kernel: str
+    config: str
+    build: object  # () -> (JITFunction, signature, constexprs, attrs, options)
+    meta: dict = field(default_factory=dict)
+
+
+def signature(fn, ptrs, floats=(), constexprs=None, ints16=()):
+    """ASTSource's signature: ``ptrs`` name -> dtype ("fp16", ...), ``floats`` fp32 scalars, ``constexprs``
+    (name -> value, a TensorDescriptor's signature string for a descriptor), every other argument an i32.
+    Specialised as Triton's launcher specialises the course's launches: pointers 16-byte aligned, the strides
+    and the ``ints16`` multiples of 16 (they decide whether loads are vectorised and pipelined, and so how
+    much shared memory a kernel takes)."""
+    constexprs = dict(constexprs or {})
+    declared = {p.name for p in fn.params if p.is_constexpr}  # annotated tl.constexpr in the kernel's signature
+    sig = {}
+    for name in fn.arg_names:
+        value = constexprs.get(name)
+        if name in ptrs:
+            sig[name] = "*" + ptrs[name]
+        elif isinstance(value, str) and value.startswith("tensordesc"):
+            sig[name] = constexprs.pop(name)
+        elif name in constexprs and (name in declared or value is None or callable(value)):
+            sig[name] = "constexpr"
+        elif name in constexprs:  # a value for a parameter not declared constexpr: the launcher passes it at run time
+            sig[name] = "i1" if isinstance(value, bool) else "i32"
+            del constexprs[name]
+            if value and not isinstance(value, bool) and value % 16 == 0:
+                ints16 = (*ints16, name)
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    aligned = [n for n in fn.arg_names if n in ptrs or n in ints16 or (n.startswith("stride") and sig[n] == "i32")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return sig, constexprs, attrs
+
+
+def _torch_dtype(name):
+    import torch
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def _configs(kind, d, dtype, cc):
+    """The configurations the launcher of ``kind`` would try on a GPU of compute capability ``cc``."""
+    import helpers.triton_attention as ta
+    if os.environ.get("COMPILE_EVERY_CONFIG"):  # what pruning leaves out too: to see what fits where
+        return ta.launch_configs(kind, d, _torch_dtype(dtype))
+    return ta.launch_configs(kind, d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"])
+
+
+def _meta(kind, cfg, d, dtype, cc, **kw):
+    """What the test checks beyond compiling: the launcher's estimate of the shared memory (an upper bound)."""
+    import helpers.triton_attention as ta
+    elt = 4 if dtype == "fp32" else 2
+    return dict(d=d, estimate=ta.smem_estimate(kind, cfg, d, elt, (cc // 10, cc % 10), **kw))
+
+
+def _use_tma(cc, dtype):
+    import helpers.triton_attention as ta
+    return ta.use_tma_for((cc // 10, cc % 10), _torch_dtype(dtype))
+
+
+def _cfg_label(cfg):
+    return " ".join(f"{k}={v}" for k, v in cfg.items())
+
+
+# ------------------------------------------------------------------ the tuned kernels (helpers/triton_*.py)
+VARIANT_TARGETS = (90,)  # every variant (masks, layouts, TMA, d = 64) compiled there
+BF16_TARGETS = (90, 86)  # bf16 too: a Hopper and the sm_8x with the least shared memory
+
+
+def _plan(cc, kind, variants):
+    """(dtype, d, cfg, variant) to compile: every configuration the launcher keeps on sm_cc (fp16, d = 128,
+    the first variant: the shared-memory proof); on VARIANT_TARGETS also each other variant and d = 64, on
+    BF16_TARGETS bf16, at the first configuration. (All of them everywhere would take CI many minutes.)"""
+    try:
+        plan = [("fp16", 128, cfg, variants[0]) for cfg in _configs(kind, 128, "fp16", cc)]
+    except ValueError:  # nothing fits at d = 128 (the backward on a T4): the launcher says so; compile d = 64
+        plan = [("fp16", 64, cfg, variants[0]) for cfg in _configs(kind, 64, "fp16", cc)]
+    first = plan[0][2]
+    if cc in VARIANT_TARGETS:
+        plan += [("fp16", 128, first, v) for v in variants[1:]]
+        plan += [("fp16", 64, _configs(kind, 64, "fp16", cc)[0], variants[0])]
+    if cc in BF16_TARGETS:
+        plan += [("bf16", 128, first, variants[0])]
+    return plan
+
+
+def fwd_jobs(cc, dtypes):
+    import helpers.triton_attention as ta
+    plan = _plan(cc, "fwd", [(True, False), (False, False)])  # (causal, TMA)
+    if _use_tma(cc, "fp16"):  # TMA keeps Q and more K/V tiles in shared memory: every configuration
+        plan += [("fp16", 128, cfg, (True, True)) for cfg in _configs("fwd", 128, "fp16", cc)]
+    jobs = []
+    for dtype, d, cfg, (causal, tma) in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal):
+            fn = ta._attn_fwd
+            bn = cfg["BLOCK_N"]
+            desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
+            sig, const, attrs = signature(
+                fn, dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32"), ("qk_scale",),
+                dict(desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
+                     CAUSAL=causal, USE_TMA=tma), ints16=("N", "Nk"))
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job("dense forward", f"{dtype} d={d} {'causal' if causal else 'full'}"
+                        f"{' TMA' if tma else ''} {_cfg_label(cfg)}", build, _meta("fwd", cfg, d, dtype, cc)))
+    return jobs
+
+
+def decode_jobs(cc, dtypes):
+    import helpers.triton_attention as ta
+    # (name, HEAD_MAJOR, PAGE, VARLEN, CAUSAL, DIRECT, group, nq): the kvcache variants and flash_decode_triton
+    variants = [("kvcache paged 16", False, 16, True, True, False, 4, 1),
+                ("flash_decode", True, 0, False, False, False, 4, 1),
+                ("kvcache contiguous, causal Nq=4 x group 8", False, 0, True, True, False, 8, 4),
+                ("kvcache paged 256, one split", False, 256, True, True, True, 4, 1)]
+    jobs = []
+    for dtype, d, cfg, (name, head_major, page, varlen, causal, direct, group, nq) in _plan(cc, "decode", variants):
+        def build(cfg=cfg, d=d, dtype=dtype, head_major=head_major, page=page, varlen=varlen, causal=causal,
+                  direct=direct, group=group, nq=nq):
+            fn = ta._decode_kernel
+            block_h, num_rb = ta._decode_rows(group, nq)
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, O_part="fp32", LSE_part="fp32", Counter="i32",
+                        SeqLens="i32", BlockTable="i32")
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
+                HKV=8, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
+                HEAD_DIM=d, HEAD_MAJOR=head_major, PAGE=page, VARLEN=varlen, CAUSAL=causal, DIRECT=direct),
+                ints16=("Nk", "max_blocks"))
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job("decode", f"{dtype} d={d} {name} {_cfg_label(cfg)}", build,
+                        _meta("decode", cfg, d, dtype, cc, block_h=ta._decode_rows(group, nq)[0])))
+    return jobs
+
+
+def bwd_jobs(cc, dtypes):
+    import helpers.triton_attention_bwd as tb
+    jobs = []
+    for dtype in dtypes:
+        for d in (64, 128) if cc in VARIANT_TARGETS and dtype == "fp16" else (128,):
+            def pre(d=d, dtype=dtype):
+                fn = tb._bwd_preprocess
+                sig, const, attrs = signature(fn, dict(O=dtype, DO=dtype, LSE="fp32", DELTA="fp32", LSE2="fp32"),
+                                              (), dict(HEAD_DIM=d, BLOCK_M=tb._PRE_BLOCK_M))
+                return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
+            jobs.append(Job("backward preprocess", f"{dtype} d={d} BLOCK_M={tb._PRE_BLOCK_M}", pre))
+
+        def cast(dtype=dtype):
+            fn = tb._cast_rows
+            sig, const, attrs = signature(fn, dict(SRC="fp32", DST=dtype), (), dict(BLOCK=1024), ints16=("numel",))
+            return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
+        jobs.append(Job("backward dQ cast", f"{dtype} BLOCK=1024", cast))
+
+    # (causal, atomic dQ, EVEN): EVEN = N, Nk multiples of the tiles (known when compiled: no ragged loops)
+    for dtype, d, cfg, (causal, atomic, even) in _plan(cc, "dkdv", [(True, False, True), (False, False, True),
+                                                                    (True, False, False), (True, True, True)]):
+        def dkdv(cfg=cfg, d=d, dtype=dtype, causal=causal, atomic=atomic, even=even):
+            fn = tb._bwd_dkdv
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK=dtype,
+                        DV=dtype, DQ="fp32" if atomic else dtype)
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
+                HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
+                DQ_ATOMIC=atomic, EVEN=even), ints16=("N", "Nk") if even else ())
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job("backward dK/dV", f"{dtype} d={d} {'causal' if causal else 'full'}"
+                        f"{' atomic dQ' if atomic else ''}{'' if even else ' ragged'} {_cfg_label(cfg)}",
+                        dkdv, _meta("dkdv", cfg, d, dtype, cc, atomic=atomic)))
+    for dtype, d, cfg, (causal, even) in _plan(cc, "dq", [(True, True), (False, True), (True, False)]):
+        def dq(cfg=cfg, d=d, dtype=dtype, causal=causal, even=even):
+            fn = tb._bwd_dq
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DQ=dtype)
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
+                HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, EVEN=even),
+                ints16=("N", "Nk") if even else ())
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job("backward dQ", f"{dtype} d={d} {'causal' if causal else 'full'}"
+                        f"{'' if even else ' ragged'} {_cfg_label(cfg)}", dq, _meta("dq", cfg, d, dtype, cc)))
+    return jobs
+
+
+def varlen_jobs(cc, dtypes):
+    import helpers.triton_varlen as tv
+    plan = _plan(cc, "varlen", [False])  # TMA
+    if _use_tma(cc, "fp16"):  # the dense forward's body: its TMA path is compiled in every configuration above
+        plan += [("fp16", 128, plan[0][2], True)]
+    jobs = []
+    for dtype, d, cfg, tma in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, tma=tma):
+            fn = tv._attn_fwd_varlen
+            bn = cfg["BLOCK_N"]
+            desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", SEQ_IDX="i32", Q_START="i32",
+                        CU_Q="i32", CU_K="i32")
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
+                desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, CAUSAL=True,
+                USE_TMA=tma))
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job("varlen forward", f"{dtype} d={d} causal{' TMA' if tma else ''} {_cfg_label(cfg)}",
+                        build, _meta("varlen", cfg, d, dtype, cc)))
+    return jobs
+
+
+# ------------------------------------------------------------------ the teaching kernels and the worked notebooks
+def notebook_ns(name):
+    from tests.conftest import notebook_namespace
+    return notebook_namespace(name)
+
+
+def lesson07_jobs(cc, dtypes):
+    ns = notebook_ns("07_triton_gpu")
+    jobs = []
+    more = cc in VARIANT_TARGETS
+    for dtype in dtypes:
+        # the benchmark's d (64), and on VARIANT_TARGETS the checker's largest (32) and the full mask too
+        for d, causal in ((64, True), (64, False), (32, True)) if more and dtype == "fp16" else ((64, True),):
+            def fwd(d=d, dtype=dtype, causal=causal):
+                fn = ns["attn_fwd"]
+                cfg = _notebook_fwd_config(ns, d)
+                sig, const, attrs = signature(fn, dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32"), ("qk_scale",),
+                                              dict(D=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal),
+                                              ints16=("N", "Nk"))
+                return fn, sig, const, attrs, cfg
+            jobs.append(Job("notebook 07 attn_fwd", f"{dtype} d={d} {'causal' if causal else 'full'}", fwd, dict(d=d)))
+
+        def split(dtype=dtype, d=128):  # bench_decode_live's d
+            fn = ns["decode_split"]
+            sig, const, attrs = signature(fn, dict(Q=dtype, K=dtype, V=dtype, O_part="fp32", LSE_part="fp32"),
+                                          ("qk_scale",), dict(D=d, BLOCK_N=64), ints16=("Nk", "keys_per_split"))
+            return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
+        jobs.append(Job("notebook 07 decode_split", f"{dtype} d=128 BLOCK_N=64", split))
+
+        def combine(dtype=dtype, d=128):
+            fn = ns["decode_combine"]
+            sig, const, attrs = signature(fn, dict(O_part="fp32", LSE_part="fp32", O=dtype), (),
+                                          dict(BLOCK_S=64, D=d))
+            return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
+        jobs.append(Job("notebook 07 decode_combine", f"{dtype} d=128 BLOCK_S=64", combine))
+
+        def probe(dtype=dtype):
+            from helpers.check import lesson07 as c7
+            fn = c7._probe(ns["attn_inner"])
+            sig, const, attrs = signature(fn, dict(Q=dtype, K=dtype, V=dtype, O="fp32", LSE="fp32", ROW0="i32"),
+                                          ("qk_scale",), dict(D=16, BLOCK_M=16, BLOCK_N=16))
+            return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
+        jobs.append(Job("check.flash_attn_triton safe-max probe", f"{dtype} D=16 BLOCK_M=BLOCK_N=16", probe))
+    return jobs
+
+
+def _notebook_fwd_config(ns, d):
+    cfg = ns["fwd_config"](d)  # the notebook's launcher reads interpreting(): False in this process
+    return dict(cfg)
+
+
+def lesson08_jobs(cc, dtypes):
+    import helpers.triton_attention_bwd as tb
+    ns = notebook_ns("08_backward_pass")
+    jobs = []
+    more = cc in VARIANT_TARGETS
+    for dtype in dtypes:
+        for d in (32, 64) if more and dtype == "fp16" else (32,):  # the checker's largest d (32); 64
+            def build(dtype=dtype, d=d):
+                fn = tb._teach_dkdv
+                ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK=dtype, DV=dtype)
+                sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
+                    INNER=ns["dkdv_inner"], HEAD_DIM=d, BLOCK_M=64, BLOCK_N=64, CAUSAL=True), ints16=("N", "Nk"))
+                return fn, sig, const, attrs, dict(num_warps=4, num_stages=2)  # dkdv_teaching's launch
+            jobs.append(Job("lesson 08 dkdv_teaching + notebook dkdv_inner", f"{dtype} d={d} causal 64x64", build))
+    return jobs
+
+
+def planted_jobs(cc, dtypes):
+    """The tests' planted-bug and written-another-way kernels, inside the notebook's launcher."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the test modules import `conftest`
+    import test_idea_checks as ti
+    import test_lesson07 as t7
+    jobs = []
+    inners = {f"inner BUG={b}": t7.inner_with(b) for b in range(6)}
+    inners.update(inner_other_way=t7.inner_other_way, inner_no_safe_max=ti.inner_no_safe_max)
+    combines = {f"combine BUG={b}": t7.combine_with(b) for b in range(3)}
+    combines.update(combine_other_way=t7.combine_other_way)
+    dtype = dtypes[0]
+    for name, inner in inners.items():
+        def fwd(inner=inner, d=32):
+            ns = t7._ns(attn_inner=inner)
+            fn = ns["attn_fwd"]
+            cfg = _notebook_fwd_config(ns, d)
+            sig, const, attrs = signature(fn, dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32"), ("qk_scale",),
+                                          dict(D=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True))
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job("planted kernels of the tests", f"{name} in attn_fwd {dtype} d=32", fwd))
+    for name, comb in combines.items():
+        def combine(comb=comb):
+            sig, const, attrs = signature(comb, dict(O_part="fp32", LSE_part="fp32", O=dtype), (),
+                                          dict(BLOCK_S=8, D=32))
+            return comb, sig, const, attrs, dict(num_warps=4, num_stages=3)
+        jobs.append(Job("planted kernels of the tests", f"{name} {dtype} D=32", combine))
+    return jobs
+
+
+# kernel (the test's name for it) -> the function that lists its jobs for one target
+KERNELS = {
+    "dense forward": fwd_jobs,
+    "decode": decode_jobs,
+    "backward preprocess": bwd_jobs,
+    "backward dK/dV": bwd_jobs,
+    "backward dQ": bwd_jobs,
+    "backward dQ cast": bwd_jobs,
+    "varlen forward": varlen_jobs,
+    "notebook 07 attn_fwd": lesson07_jobs,
+    "notebook 07 decode_split": lesson07_jobs,
+    "notebook 07 decode_combine": lesson07_jobs,
+    "check.flash_attn_triton safe-max probe": lesson07_jobs,
+    "lesson 08 dkdv_teaching + notebook dkdv_inner": lesson08_jobs,
+    "planted kernels of the tests": planted_jobs,
+}
+ONLY_SM90 = {"planted kernels of the tests"}  # run only in the maintainers' GPU test runs (an H200)
+
+
+def kernels_for(cc):
+    return [k for k in KERNELS if cc == 90 or k not in ONLY_SM90]
+
+
+def jobs_for(cc, kernels):
+    dtypes = ["fp16", "bf16"] if TARGETS[cc]["bf16"] and cc in BF16_TARGETS else ["fp16"]
+    jobs = []
+    for fn in dict.fromkeys(KERNELS[k] for k in kernels if k in kernels_for(cc)):  # each function once, in order
+        listed = fn(cc, dtypes)
+        unknown = {j.kernel for j in listed} - set(KERNELS)
+        assert not unknown, f"jobs for kernels no test asks for: {unknown} (add them to KERNELS)"
+        jobs += [j for j in listed if j.kernel in kernels]
+    return jobs
+
+
+def run(cc, kernels):
+    """Compile every job for ``cc``; yield one result dict per job (never raises for a kernel's error)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+    target = GPUTarget("cuda", cc, 32)
+    def cpu():  # this process's CPU time and its finished children's (ptxas)
+        ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + ch.ru_utime + ch.ru_stime
+
+    for job in jobs_for(cc, kernels):
+        t0, c0 = time.perf_counter(), cpu()
+        res = dict(kernel=job.kernel, config=job.config, cc=cc, **job.meta)
+        try:
+            fn, sig, const, attrs, cfg = job.build()
+            opts = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+            k = triton.compile(ASTSource(fn, sig, const, attrs), target=target, options=opts)
+            res.update(shared=k.metadata.shared, ok=True)
+        except Exception as e:  # noqa: BLE001 - reported to the test, which names kernel, config and target
+            msg = "".join(traceback.format_exception_only(type(e), e)).strip()
+            res.update(ok=False, error=f"{type(e).__name__}: {msg[-3000:]}")
+        res.update(seconds=round(time.perf_counter() - t0, 2), cpu_seconds=round(cpu() - c0, 2))
+        yield res
+
+
+def main(argv):
+    cc = int(argv[0])
+    for res in run(cc, argv[1:] or kernels_for(cc)):
+        print(json.dumps(res), flush=True)
+
+
+def drive(out_dir, plan, parallel):
+    """Compile ``plan`` ({cc: [kernel, ...]}) in one child per target, ``parallel`` at a time, slowest first
+    (sm_75: no tensor cores, big kernels). Each target's results land in out_dir/compile_sm<cc>.jsonl when its
+    child is done, or its error output in compile_sm<cc>.failed."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(cc):
+        out = os.path.join(out_dir, f"compile_sm{cc}")
+        proc = subprocess.run([sys.executable, "-m", "tests.compile_kernels", str(cc), *plan[cc]],
+                              capture_output=True, text=True)
+        with open(out + ".tmp", "w") as f:
+            f.write(proc.stdout if proc.returncode == 0 else f"exit {proc.returncode}\n{proc.stderr[-4000:]}")
+        os.replace(out + ".tmp", out + (".jsonl" if proc.returncode == 0 else ".failed"))
+
+    order = sorted(plan, key=lambda cc: (cc != 75, -cc))
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        list(pool.map(one, order))
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y"):
+        sys.exit("tests/compile_kernels.py compiles for GPUs: run it with TRITON_INTERPRET unset")
+    os.environ["TRITON_INTERPRET"] = "0"  # tests/conftest.py (imported for the notebooks) must not turn it on
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if sys.argv[1] == "--drive":  # --drive OUT_DIR PARALLEL PLAN_JSON
+        drive(sys.argv[2], {int(k): v for k, v in json.loads(sys.argv[4]).items()}, int(sys.argv[3]))
+    else:
+        main(sys.argv[1:])

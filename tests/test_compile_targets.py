@@ -1,0 +1,207 @@
+"""Every Triton kernel the course launches compiles for the GPUs learners have, proven without a GPU.
+
+One test per (kernel, target): tests/compile_kernels.py lists the kernels (the tuned ones of helpers/triton_*.py,
+the teaching launchers', the checkers' probe, the worked notebooks' cells, the tests' planted bugs) and compiles
+each with Triton's own compiler for sm_90 (H100, H200), sm_89 (RTX 40, L4), sm_86 (RTX 30, A10), sm_80 (A100)
+and sm_75 (T4), in the configurations the launcher would use there. A kernel passes on a target when every
+configuration compiles (TTIR to a cubin through Triton's ptxas) and takes no more shared memory than one block
+may have there. The interpreter that runs the other tests on a CPU checks neither.
+
+The compiling runs in child processes, one per target, two at a time, with TRITON_INTERPRET off
+(tests/conftest.py turns it on for this process, and Triton reads it when a kernel is decorated). The
+first test to need a result starts them all; their results land in pytest's base temp folder, which the
+workers of ``pytest -n 2`` share, and so does Triton's cache: nothing is written into the repo. The
+launchers' decisions that need a GPU's capability (which configurations fit, TMA, bf16) are plain
+functions, tested at the end for every target without compiling.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from filelock import FileLock
+
+pytest.importorskip("triton")  # Linux only (PyPI): nothing to compile with elsewhere
+
+from tests.compile_kernels import TARGETS, kernels_for  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD_TIMEOUT = 900  # seconds to wait for one target's compiles
+PARALLEL = 2  # compile children at a time (CI has two cores)
+
+CASES = [(cc, k) for cc in TARGETS for k in kernels_for(cc)]
+
+
+def _child_env(cache_dir):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               TRITON_CACHE_DIR=str(cache_dir), TRITON_DEFAULT_FP_FUSION="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _selected_kernels(session, cc):
+    """The kernels this run's selected tests need on sm_cc (``-k`` may select a few)."""
+    wanted = [item.callspec.params.get("kernel") for item in session.items
+              if hasattr(item, "callspec") and item.callspec.params.get("cc") == cc]
+    return [k for k in kernels_for(cc) if k in wanted]
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory, request):
+    """``compiled(cc) -> [result, ...]``: one dict per compile (kernel, config, ok, error, shared, seconds).
+
+    The first test to ask starts one driver (tests/compile_kernels.py --drive) for every target at once, two
+    children at a time; every test, in whichever xdist worker, waits for its target's file."""
+    shared_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        shared_dir = shared_dir.parent  # one folder for every xdist worker of this run
+    with FileLock(str(shared_dir / "compile.lock")):
+        if not (shared_dir / "compile.started").exists():
+            plan = {cc: _selected_kernels(request.session, cc) for cc in TARGETS}
+            plan = {cc: kernels for cc, kernels in plan.items() if kernels}
+            subprocess.Popen([sys.executable, "-m", "tests.compile_kernels", "--drive", str(shared_dir),
+                              str(PARALLEL), json.dumps(plan)], cwd=ROOT, env=_child_env(shared_dir / "triton-cache"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            (shared_dir / "compile.started").touch()
+    memo = {}
+
+    def get(cc):
+        if cc not in memo:
+            out, failed = shared_dir / f"compile_sm{cc}.jsonl", shared_dir / f"compile_sm{cc}.failed"
+            deadline = time.monotonic() + CHILD_TIMEOUT
+            while not (out.exists() or failed.exists()):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no compile results for sm_{cc} after {CHILD_TIMEOUT} s", pytrace=False)
+                time.sleep(0.5)
+            if failed.exists():
+                pytest.fail(f"the compile child for sm_{cc} stopped: {failed.read_text()}", pytrace=False)
+            memo[cc] = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+        return memo[cc]
+    return get
+
+
+@pytest.mark.parametrize("cc,kernel", CASES, ids=[f"sm_{cc}-{k}" for cc, k in CASES])
+def test_kernel_compiles_and_fits(compiled, cc, kernel):
+    target = TARGETS[cc]
+    results = [r for r in compiled(cc) if r["kernel"] == kernel]
+    assert results, f"{kernel}: nothing was compiled for sm_{cc}"
+    problems = []
+    for r in results:
+        where = f"{kernel} [{r['config']}] for sm_{cc} ({target['gpus']})"
+        if not r["ok"]:
+            problems.append(f"{where} does not compile:\n    {r['error']}")
+        elif r["shared"] > target["smem"]:
+            problems.append(f"{where} needs {r['shared']} bytes of shared memory; a block may have "
+                            f"{target['smem']} there")
+        elif r.get("estimate") is not None and r["shared"] > r["estimate"]:
+            problems.append(f"{where} needs {r['shared']} bytes of shared memory, more than the launcher's estimate "
+                            f"{r['estimate']} (helpers.triton_attention.smem_estimate) that prunes configurations")
+    assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------ the launchers' decisions, per target
+import helpers.triton_attention as ta  # noqa: E402
+import helpers.triton_attention_bwd as tb  # noqa: E402
+import helpers.triton_varlen as tv  # noqa: E402
+
+# kind -> head dim -> (the autotuner, what its launcher passes besides the tensors)
+TUNED = {"fwd": lambda d: (ta._attn_fwd_tuned, {}), "dkdv": lambda d: (tb._bwd_dkdv_tuned, {}),
+         "dq": lambda d: (tb._bwd_dq_tuned, {}),
+         "varlen": lambda d: (tv._attn_fwd_varlen_tuned[tv._d_class(d)],
+                              {"BLOCK_M": tv._VARLEN_SHAPES[tv._d_class(d)][0]})}
+
+
+def _capability(cc):
+    return cc // 10, cc % 10
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """``on_gpu(cc)``: the launchers see a CUDA GPU of compute capability cc with that target's shared memory."""
+    def set_target(cc):
+        monkeypatch.setattr(ta, "_interpreting", lambda: False)
+        monkeypatch.setattr(ta, "_device_limits", lambda device: (_capability(cc), TARGETS[cc]["smem"]))
+        return SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float16)  # what the hooks read of q
+    return set_target
+
+
+@pytest.mark.parametrize("cc", TARGETS, ids=[f"sm_{cc}" for cc in TARGETS])
+def test_autotuners_keep_the_configs_that_fit(on_gpu, cc):
+    """Each autotuned launcher prunes by the GPU's shared memory: something is left, all of it estimated to fit;
+    on sm_90 nothing is pruned (the H200's tuned sets stay as measured); before sm_80 one configuration."""
+    q = on_gpu(cc)
+    smem = TARGETS[cc]["smem"]
+    for kind, tuned in TUNED.items():
+        for d in (64, 128):
+            tuner, fixed = tuned(d)
+            every = [{**fixed, **ta._config_dict(c)} for c in tuner.configs]
+            if cc < 80 and d == 128 and kind in ("dkdv", "dq", "varlen"):  # no configuration fits a T4 there
+                with pytest.raises(ValueError, match=f"no configuration of the {kind} kernel fits .* 64 KB"):
+                    tuner.early_config_prune(tuner.configs, {"Q": q}, HEAD_DIM=d, **fixed)
+                continue
+            kept = [{**fixed, **ta._config_dict(c)} for c in tuner.early_config_prune(tuner.configs, {"Q": q},
+                                                                                     HEAD_DIM=d, **fixed)]
+            assert kept, f"{kind}, d={d}: every configuration pruned on sm_{cc}"
+            assert kept == ta.launch_configs(kind, d, torch.float16, _capability(cc), smem)
+            _check_pruning(kind, d, cc, every, kept)
+
+
+def _check_pruning(kind, d, cc, every, kept):
+    smem = TARGETS[cc]["smem"]
+    size = {str(c): ta.smem_estimate(kind, c, d, 2, _capability(cc)) for c in every}
+    if cc == 90:
+        assert kept == every, f"{kind}, d={d}: pruned on sm_90 (the H200's sets must stay as measured)"
+    elif cc < 80:
+        assert len(kept) == 1, f"{kind}, d={d}: sm_{cc} compiles without tensor cores, one configuration is enough"
+        assert size[str(kept[0])] <= smem and all(size[str(c)] > smem for c in every[:every.index(kept[0])])
+    else:
+        assert all(size[str(c)] <= smem for c in kept), f"{kind}, d={d}: kept one that does not fit sm_{cc}"
+        assert all(size[str(c)] > smem for c in every if c not in kept), f"{kind}, d={d}: dropped one that fits"
+
+
+@pytest.mark.parametrize("cc", TARGETS, ids=[f"sm_{cc}" for cc in TARGETS])
+def test_decode_tunes_over_the_configs_that_fit(on_gpu, cc):
+    q = on_gpu(cc)
+    for d in (64, 128):
+        every = ta.launch_configs("decode", d, torch.float16)
+        kept = ta._decode_configs(q, d, 64)
+        assert kept and all(c in every for c in kept)
+        _check_pruning("decode", d, cc, every, kept)
+
+
+def test_no_config_fits_is_a_clear_error():
+    with pytest.raises(ValueError, match="no configuration of the fwd kernel fits .* 48 KB .* head dim 256"):
+        ta.fitting_configs("fwd", ta._shapes("fwd", 256), 256, torch.float16, (8, 6), 48 * 1024)
+
+
+@pytest.mark.parametrize("cc", TARGETS, ids=[f"sm_{cc}" for cc in TARGETS])
+def test_tma_only_from_sm90(cc):
+    for dtype in (torch.float16, torch.bfloat16):
+        assert ta.use_tma_for(_capability(cc), dtype) == (cc >= 90 and ta.TensorDescriptor is not None)
+    assert not ta.use_tma_for(_capability(cc), torch.float32)
+
+
+@pytest.mark.parametrize("cc", TARGETS, ids=[f"sm_{cc}" for cc in TARGETS])
+def test_bf16_refused_where_the_gpu_has_none(cc):
+    ta.check_dtype_for(_capability(cc), torch.float16)
+    if TARGETS[cc]["bf16"]:
+        ta.check_dtype_for(_capability(cc), torch.bfloat16)
+    else:
+        with pytest.raises(ValueError, match=f"bfloat16 needs .* 8.0 .* sm_{cc} .* use torch.float16"):
+            ta.check_dtype_for(_capability(cc), torch.bfloat16)
+
+
+@pytest.mark.parametrize("cc", [cc for cc in TARGETS if cc < 90], ids=[f"sm_{cc}" for cc in TARGETS if cc < 90])
+def test_use_tma_true_before_sm90_is_a_clear_error(on_gpu, cc):
+    q = on_gpu(cc)
+    with pytest.raises(ValueError, match=f"use_tma=True needs TMA .* sm_{cc}"):
+        ta._check_use_tma(True, q)
+    ta._check_use_tma(False, q)
+    assert not ta._use_tma_default(q)
