@@ -152,7 +152,7 @@ def map_shifts(cu, BLOCK_M):                       # cdiv by shifts: right for p
 
 @pytest.mark.parametrize("fn, words", [
     (map_sparse, ["is a sparse_coo tensor", ".to_dense()"]),
-    (map_meta, ["on the meta device", "no numbers"]),
+    (map_meta, ["on the meta device", "no values"]),
     (map_shifts, ["BLOCK_M = 3", "entries"]),
 ], ids=lambda x: getattr(x, "__name__", ""))
 def test_varlen_block_map_odd_outputs_get_a_verdict(fn, words):

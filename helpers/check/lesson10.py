@@ -127,16 +127,8 @@ def _bug_models(cu, BLOCK_M):
 
 
 def _plain_tensor(g, t, what):
-    """A dense tensor with its numbers in memory: a sparse or meta tensor gets a verdict, not a traceback."""
-    g.expect_tensor(t, what)
-    if t.layout != torch.strided:
-        g.fail(f"`{what}` is a {str(t.layout).replace('torch.', '')} tensor, expected a dense one",
-               hint="return plain dense tensors (torch.tensor(...), torch.empty(...)): convert with .to_dense()")
-    if t.device.type == "meta":
-        g.fail(f"`{what}` is on the meta device: it has a shape but no numbers",
-               hint="build the result on the inputs' device (torch.tensor(..., device=cu_seqlens.device)), "
-                    "never device='meta'")
-    return t
+    """A tensor with its numbers in memory: ``expect_tensor`` gives a sparse or meta one a verdict, not a traceback."""
+    return g.expect_tensor(t, what)
 
 
 def _int32_1d(g, t, what):
