@@ -312,6 +312,16 @@ def check_visible_work(g, r, vis, Br, Bc, d, skip_hint, tile_hint):
 
 
 # ------------------------------------------------------------------ Triton exercises (07, 08)
+def triton_dtypes():
+    """(first, second) dtypes the Triton checkers test in: fp32 and fp16 under the interpreter (no bf16 there);
+    fp16 and bf16 on a GPU; fp16 and fp32 before sm_80 (a T4 has no bf16, and the kernels refuse it there)."""
+    if not torch.cuda.is_available():
+        return torch.float32, torch.float16
+    if torch.cuda.get_device_capability() < (8, 0):
+        return torch.float16, torch.float32
+    return torch.float16, torch.bfloat16
+
+
 def stubbed(fn):
     """Call ``fn``; turn a NotImplementedError wrapped by the Triton interpreter or compiler back into one."""
     def call(*args, **kwargs):

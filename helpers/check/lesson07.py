@@ -14,7 +14,7 @@ import torch
 
 from .. import lesson07, reference
 from ..checking import Bug, Case, exercise
-from ._common import stubbed as _stubbed
+from ._common import stubbed as _stubbed, triton_dtypes
 
 # torch ops that mean the answer was computed with torch, not in the kernel
 _TORCH_MATH = {"mm", "bmm", "matmul", "addmm", "baddbmm", "_softmax", "softmax", "logsumexp", "exp", "exp2",
@@ -45,7 +45,7 @@ def _device():
 
 
 def _dtypes():
-    return (torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
+    return triton_dtypes()
 
 
 

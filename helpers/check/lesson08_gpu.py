@@ -18,7 +18,7 @@ import torch
 
 from .. import lesson07, lesson08_gpu
 from ..checking import Bug, Case, exercise
-from ._common import stubbed
+from ._common import stubbed, triton_dtypes
 
 LOG2E = lesson08_gpu.LOG2E
 
@@ -28,7 +28,7 @@ def _device():
 
 
 def _dtypes():
-    return (torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
+    return triton_dtypes()
 
 
 def _randn(gen, *shape, dtype, scale=1.0):
