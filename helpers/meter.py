@@ -602,7 +602,7 @@ class _Recorder(TorchDispatchMode):
             if r.ndim:
                 self.note_made(r.size, r.shape, op)
 
-    # ---- conversions to Python and numpy (called by _Escapes)
+    # ---- conversions to Python and numpy (called by _escapes)
     def to_list(self, source, values, prov, tile=None, tensor=None):
         if self.prov.whole(prov):
             if isinstance(values, list):

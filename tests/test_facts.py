@@ -1,4 +1,4 @@
-"""Facts the lessons state, held by tests (issue 16: the lessons say only what is true).
+"""Facts the lessons state, held by tests (the lessons say only what is true).
 
 Each test pins one statement of a worked notebook to something that can be computed here:
 the timing statistic the live cells use, the decode arithmetic intensity, the course's split
