@@ -8,11 +8,7 @@ a notebook runs ``from helpers import check``). The recorded results are ``bench
 """
 from __future__ import annotations
 
-import math
-
-import torch
-
-from . import triton_mode
+from . import reference, triton_mode
 from .results import (RESULTS, TRAINING, backward_table, load_results, load_training, results_label,
                       section_rows)
 from .results import geomean_ratio as _geomean_ratio
@@ -25,22 +21,15 @@ LOG2E = 1.4426950408889634
 
 
 def reference_grads(q, k, v, do, causal=False, sm_scale=None):
-    """(O, dq, dk, dv) in float64 by autograd, q ``[B, H, N, d]``, k, v ``[B, H, Nk, d]``; causal top-left.
+    """(O, dq, dk, dv) in float64 by autograd, on the CPU, q ``[B, H, N, d]``, k, v ``[B, H, Nk, d]``; causal top-left.
 
     A row that sees no key has O = 0 and zero gradients (the course's convention), never NaN.
+    ``helpers.reference.attention_grads`` does the work.
     """
-    q, k, v = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    s = (q @ k.transpose(-1, -2)) * scale                                   # [B, H, N, Nk]
-    N, Nk = s.shape[-2:]
-    keep = torch.ones(N, Nk, dtype=torch.bool)
-    if causal:
-        keep = torch.arange(Nk)[None, :] <= torch.arange(N)[:, None]        # [N, Nk]
-    empty = ~keep.any(-1)                                                   # [N]
-    s = s.masked_fill(~keep, -math.inf).masked_fill(empty[:, None], 0.0)
-    o = (torch.softmax(s, -1) * (~empty)[:, None]) @ v                      # [B, H, N, d]
-    o.backward(do.detach().double().cpu())
-    return o.detach(), q.grad, k.grad, v.grad
+    q, k, v, do = (t.detach().cpu() for t in (q, k, v, do))
+    mask = reference.causal_mask(q.shape[-2], k.shape[-2]) if causal else None     # [N, Nk]
+    o, _, dq, dk, dv = reference.attention_grads(q, k, v, do, mask=mask, scale=sm_scale)
+    return o, dq, dk, dv
 
 
 # ------------------------------------------------------------------ recorded results

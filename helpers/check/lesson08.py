@@ -30,11 +30,8 @@ def _mask(N, Nk, causal, align):
 
 
 def reference_grads(q, k, v, do, causal=False, align="top_left"):
-    """float64 (O, lse, dq, dk, dv) by torch.autograd through SDPA (``helpers.reference.attention``)."""
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    O, lse = reference.attention(q64, k64, v64, mask=_mask(q.shape[0], k.shape[0], causal, align))
-    O.backward(do.detach().double())
-    return O.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
+    """float64 (O, lse, dq, dk, dv) by torch.autograd through SDPA (``helpers.reference.attention_grads``)."""
+    return reference.attention_grads(q, k, v, do, mask=_mask(q.shape[0], k.shape[0], causal, align))
 
 
 class _Watch:
