@@ -257,16 +257,6 @@ def test_every_name_in_helpers_all_imports():
 
 
 
-def test_no_checker_imports_another_lessons_checker():
-    import ast
-    for path in sorted((ROOT / "helpers" / "check").glob("lesson*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and (node.module or "").startswith("lesson"):
-                names = sorted(a.name for a in node.names)
-                raise AssertionError(f"{path.name} imports {names} from {node.module}: shared pieces live in _common")
-
-
 def test_one_meaning_for_g_in_the_checkers():
     """In helpers/check, `g` is the Grader and nothing else (generators are `rng` or `gen`)."""
     import ast
