@@ -315,6 +315,21 @@ def check_visible_work(g, r, vis, Br, Bc, d, skip_hint, tile_hint):
 
 
 # ------------------------------------------------------------------ Triton exercises (07, 08)
+def device():
+    """Where the Triton exercises run: a CUDA GPU, else the CPU (Triton's interpreter)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_dtypes():
+    """The dtypes the Triton exercises are checked in: fp16 and bf16 on a GPU, fp32 and fp16 interpreted."""
+    return (torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
+
+
+def device_randn(gen, *shape, dtype, scale=1.0):
+    """Seeded normal inputs (drawn on the CPU, so the same on every machine), cast to ``dtype`` on ``device()``."""
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device())
+
+
 def stubbed(fn):
     """Call ``fn``; turn a NotImplementedError wrapped by the Triton interpreter or compiler back into one."""
     def call(*args, **kwargs):
