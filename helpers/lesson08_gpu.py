@@ -9,7 +9,7 @@ a notebook runs ``from helpers import check``). The recorded results are ``bench
 from __future__ import annotations
 
 from . import reference, triton_mode
-from .results import (RESULTS, TRAINING, backward_table, load_results, load_training, results_label,
+from .results import (RESULTS, TRAINING, backward_table, load_results, load_training, plot_tflops, results_label,
                       section_rows)
 from .results import geomean_ratio as _geomean_ratio
 
@@ -42,33 +42,13 @@ def geomean_ratio(res, other: str, min_N: int = 2048, **filters):
     return _geomean_ratio(res, "backward", other, min_N, **filters)
 
 
+_IMPLS = [("triton_tflops", "Triton (course)", "-o"), ("sdpa_flash_tflops", "SDPA flash", "--s"),
+          ("sdpa_cudnn_tflops", "SDPA cuDNN", "--^"), ("flex_tflops", "FlexAttention", ":v")]
+
+
 def plot_backward(res):
     """TFLOP/s of the backward against N, one panel per (dtype, d, causal)."""
-    import matplotlib.pyplot as plt
-    keys = sorted({(r["dtype"], r["d"], bool(r["causal"])) for r in backward_rows(res)})
-    if not keys:
-        raise ValueError("no backward rows in these results (run bench/bench_bwd.py on a GPU)")
-    cols = min(4, len(keys))
-    nrows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.0 * nrows), squeeze=False)
-    impls = [("triton_tflops", "Triton (course)", "-o"), ("sdpa_flash_tflops", "SDPA flash", "--s"),
-             ("sdpa_cudnn_tflops", "SDPA cuDNN", "--^"), ("flex_tflops", "FlexAttention", ":v")]
-    for ax, (dt, d, causal) in zip(axes.flat, keys):
-        rows = backward_rows(res, dt, d, causal)
-        for key, label, style in impls:
-            pts = [(r["N"], r[key]) for r in rows if r.get(key)]
-            if pts:
-                ax.plot(*zip(*pts), style, label=label, ms=3)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{dt}, d={d}, {'causal' if causal else 'full'}", fontsize=9)
-        ax.set_xlabel("N")
-        ax.set_ylabel("TFLOP/s")
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle("backward: " + results_label(res, "backward"), fontsize=10)
-    fig.tight_layout()
-    return fig
+    return plot_tflops(res, "backward", _IMPLS, "no backward rows in these results (run bench/bench_bwd.py on a GPU)")
 
 
 def plot_training(rec):
