@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["CheckFailure", "CaseTimeout", "Case", "Grader", "exercise", "REGISTRY", "strict", "Bug",
-           "yours_or_reference", "passed", "case_timeout", "call_with_limit", "attempted", "Budget",
+           "yours_or_reference", "passed", "case_timeout", "call_with_limit", "Budget",
            "default_budget"]
 
 _HERE = Path(__file__).resolve().parent
@@ -129,24 +129,6 @@ def yours_or_reference(yours, reference):
                                                   "(run its check cell)")
     print(f"(this cell uses the course's reference: your {name} {why})")
     return reference
-
-
-def attempted(fn, *example_args, **example_kwargs) -> bool:
-    """Deprecated: use ``yours_or_reference``. True when ``fn`` runs on the example input.
-
-    Kept so that code written against the old API still runs; it says nothing about
-    whether ``fn`` is right.
-    """
-    name = getattr(fn, "__name__", "your function")
-    try:
-        fn(*example_args, **example_kwargs)
-    except NotImplementedError:
-        print(f"({name} is not written yet: this cell uses the reference instead)")
-        return False
-    except Exception as e:  # noqa: BLE001 - the check cell says what broke; the picture goes on
-        print(f"({name} raised {type(e).__name__}: {e}; this cell uses the reference instead)")
-        return False
-    return True
 
 
 def _fmt(v) -> str:

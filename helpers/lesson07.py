@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .results import RESULTS, decode_rows, decode_table, load_results, prefill_table, results_label, section_rows
+from .results import (RESULTS, decode_rows, decode_table, load_results, plot_tflops, prefill_table, results_label,
+                      section_rows)
 from .results import geomean_ratio as _geomean_ratio
 
 from . import reference, triton_mode
@@ -145,31 +146,7 @@ _IMPLS = [("triton_tflops", "Triton (this course)", "-o"), ("sdpa_flash_tflops",
 
 def plot_prefill(res, ceilings=None):
     """TFLOP/s against N, one panel per (dtype, d, causal); ``ceilings={'tflops': x}`` draws the matrix rate."""
-    import matplotlib.pyplot as plt
-    keys = sorted({(r["dtype"], r["d"], bool(r["causal"])) for r in res.get("prefill", [])})
-    if not keys:
-        raise ValueError("no prefill rows in these results")
-    cols = min(4, len(keys))
-    nrows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.0 * nrows), squeeze=False)
-    for ax, (dt, d, causal) in zip(axes.flat, keys):
-        rows = prefill_rows(res, dt, d, causal)
-        for key, label, style in _IMPLS:
-            pts = [(r["N"], r[key]) for r in rows if r.get(key)]
-            if pts:
-                ax.plot(*zip(*pts), style, label=label, ms=3)
-        if ceilings and ceilings.get("tflops"):
-            ax.axhline(ceilings["tflops"], color="k", lw=0.8, ls=":", label="measured matmul rate")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{dt}, d={d}, {'causal' if causal else 'full'}", fontsize=9)
-        ax.set_xlabel("N")
-        ax.set_ylabel("TFLOP/s")
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle("prefill: " + results_label(res, "prefill"), fontsize=10)
-    fig.tight_layout()
-    return fig
+    return plot_tflops(res, "prefill", _IMPLS, "no prefill rows in these results", ceilings)
 
 
 def plot_decode(res, ceilings=None):

@@ -8,12 +8,8 @@ a notebook runs ``from helpers import check``). The recorded results are ``bench
 """
 from __future__ import annotations
 
-import math
-
-import torch
-
-from . import triton_mode
-from .results import (RESULTS, TRAINING, backward_table, load_results, load_training, results_label,
+from . import reference, triton_mode
+from .results import (RESULTS, TRAINING, backward_table, load_results, load_training, plot_tflops, results_label,
                       section_rows)
 from .results import geomean_ratio as _geomean_ratio
 
@@ -25,22 +21,15 @@ LOG2E = 1.4426950408889634
 
 
 def reference_grads(q, k, v, do, causal=False, sm_scale=None):
-    """(O, dq, dk, dv) in float64 by autograd, q ``[B, H, N, d]``, k, v ``[B, H, Nk, d]``; causal top-left.
+    """(O, dq, dk, dv) in float64 by autograd, on the CPU, q ``[B, H, N, d]``, k, v ``[B, H, Nk, d]``; causal top-left.
 
     A row that sees no key has O = 0 and zero gradients (the course's convention), never NaN.
+    ``helpers.reference.attention_grads`` does the work.
     """
-    q, k, v = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    s = (q @ k.transpose(-1, -2)) * scale                                   # [B, H, N, Nk]
-    N, Nk = s.shape[-2:]
-    keep = torch.ones(N, Nk, dtype=torch.bool)
-    if causal:
-        keep = torch.arange(Nk)[None, :] <= torch.arange(N)[:, None]        # [N, Nk]
-    empty = ~keep.any(-1)                                                   # [N]
-    s = s.masked_fill(~keep, -math.inf).masked_fill(empty[:, None], 0.0)
-    o = (torch.softmax(s, -1) * (~empty)[:, None]) @ v                      # [B, H, N, d]
-    o.backward(do.detach().double().cpu())
-    return o.detach(), q.grad, k.grad, v.grad
+    q, k, v, do = (t.detach().cpu() for t in (q, k, v, do))
+    mask = reference.causal_mask(q.shape[-2], k.shape[-2]) if causal else None     # [N, Nk]
+    o, _, dq, dk, dv = reference.attention_grads(q, k, v, do, mask=mask, scale=sm_scale)
+    return o, dq, dk, dv
 
 
 # ------------------------------------------------------------------ recorded results
@@ -53,33 +42,13 @@ def geomean_ratio(res, other: str, min_N: int = 2048, **filters):
     return _geomean_ratio(res, "backward", other, min_N, **filters)
 
 
+_IMPLS = [("triton_tflops", "Triton (course)", "-o"), ("sdpa_flash_tflops", "SDPA flash", "--s"),
+          ("sdpa_cudnn_tflops", "SDPA cuDNN", "--^"), ("flex_tflops", "FlexAttention", ":v")]
+
+
 def plot_backward(res):
     """TFLOP/s of the backward against N, one panel per (dtype, d, causal)."""
-    import matplotlib.pyplot as plt
-    keys = sorted({(r["dtype"], r["d"], bool(r["causal"])) for r in backward_rows(res)})
-    if not keys:
-        raise ValueError("no backward rows in these results (run bench/bench_bwd.py on a GPU)")
-    cols = min(4, len(keys))
-    nrows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.0 * nrows), squeeze=False)
-    impls = [("triton_tflops", "Triton (course)", "-o"), ("sdpa_flash_tflops", "SDPA flash", "--s"),
-             ("sdpa_cudnn_tflops", "SDPA cuDNN", "--^"), ("flex_tflops", "FlexAttention", ":v")]
-    for ax, (dt, d, causal) in zip(axes.flat, keys):
-        rows = backward_rows(res, dt, d, causal)
-        for key, label, style in impls:
-            pts = [(r["N"], r[key]) for r in rows if r.get(key)]
-            if pts:
-                ax.plot(*zip(*pts), style, label=label, ms=3)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{dt}, d={d}, {'causal' if causal else 'full'}", fontsize=9)
-        ax.set_xlabel("N")
-        ax.set_ylabel("TFLOP/s")
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle("backward: " + results_label(res, "backward"), fontsize=10)
-    fig.tight_layout()
-    return fig
+    return plot_tflops(res, "backward", _IMPLS, "no backward rows in these results (run bench/bench_bwd.py on a GPU)")
 
 
 def plot_training(rec):

@@ -47,6 +47,9 @@ Everything else is "SRAM": tiles and temporaries. Copying a *piece* of an input
 
 Use: ``r = meter.measure(fn, q, k, v, names=("q", "k", "v"))``; ``print(r)``.
 
+This file follows torch ops; ``helpers/meter_python.py`` follows what leaves torch (``.tolist()``,
+``.numpy()``, numpy arrays and their ops) for the same recorder.
+
 What the provenance cannot follow (Python floats, a list of a whole row) the working memory
 catches: ``working_memory(fn, ...)`` (``torch_peak`` and ``python_peak``, one call each) gives
 the peak elements of the torch tensors alive at once and, through ``tracemalloc``, the peak of
@@ -70,9 +73,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["measure", "Measurement", "Largest", "working_memory", "torch_peak", "python_peak", "Memory"]
+from .meter_python import _FollowsPython, following
 
-_NP_ARRAY = np.array   # numpy's own, while the meter puts a following version in its place
+__all__ = ["measure", "Measurement", "Largest", "working_memory", "torch_peak", "python_peak", "Memory"]
 
 _aten = torch.ops.aten
 # Ops that only make metadata or fresh constant memory: not a read of anything.
@@ -90,8 +93,6 @@ _REDUCTION_TAG = torch.Tag.reduction
 _REDUCTIONS = {"_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
 _DIVISIONS = {"div", "div_", "true_divide", "true_divide_", "reciprocal", "reciprocal_"}
 # numpy functions that look at an array's shape and dtype only, like torch's ``zeros_like``: not a read
-_NP_NO_READ = {"empty_like", "zeros_like", "ones_like", "full_like", "shape", "ndim", "size", "result_type",
-               "can_cast", "min_scalar_type", "may_share_memory", "shares_memory"}
 # tensors made from a bool mask (``keep.float()``, ``torch.log(keep.float())``) stay "mask-like" through these
 _MASK_FOLLOW = {"_to_copy", "log", "neg", "mul", "sub", "add", "where", "masked_fill", "logical_not", "bitwise_not",
                 "clone", "expand", "unsqueeze", "view", "reshape", "_unsafe_view", "slice", "select", "t",
@@ -182,17 +183,23 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """First and one-past-last element offset that a (strided) view touches."""
-    if t.numel() == 0:
-        return (t.storage_offset(), t.storage_offset())
-    lo = hi = t.storage_offset()
-    for size, stride in zip(t.shape, t.stride()):
-        if stride >= 0:
-            hi += (size - 1) * stride
+def _extent(shape, strides) -> tuple[int, int] | None:
+    """(first, one-past-last) element offset, relative to its start, that a strided view touches; None if empty."""
+    lo = hi = 0
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return None
+        if s >= 0:
+            hi += (n - 1) * s
         else:
-            lo += (size - 1) * stride
-    return (lo, hi + 1)
+            lo += (n - 1) * s
+    return lo, hi + 1
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """First and one-past-last element offset in its storage that a tensor touches."""
+    off, ext = t.storage_offset(), _extent(t.shape, t.stride())
+    return (off, off) if ext is None else (off + ext[0], off + ext[1])
 
 
 # ------------------------------------------------------------------ provenance
@@ -209,19 +216,6 @@ class _Region:
     itemsize: int
     origin: torch.Tensor   # int64 [nbytes // itemsize]
     keep: object = None    # the owner of the memory, kept alive so the address is not reused
-
-
-def _layout(addr, itemsize, shape, strides_el):
-    """(offset lo, offset hi+1) relative to addr, in elements, of a strided view."""
-    lo = hi = 0
-    for n, s in zip(shape, strides_el):
-        if n == 0:
-            return None
-        if s >= 0:
-            hi += (n - 1) * s
-        else:
-            lo += (n - 1) * s
-    return lo, hi + 1
 
 
 class _Provenance:
@@ -246,7 +240,7 @@ class _Provenance:
     def _find(self, addr, itemsize, shape, strides_el):
         if not self.regions or addr == 0:
             return None
-        span = _layout(addr, itemsize, shape, strides_el)
+        span = _extent(shape, strides_el)
         if span is None:
             return None
         for r in reversed(self.regions):
@@ -312,190 +306,7 @@ class _Provenance:
                                     torch.from_numpy(flat), (out, base)))
 
 
-class _TrackedList(list):
-    """``t.tolist()`` of an input (or a whole copy): reading an element is a load of that element."""
-
-    def __init__(self, values, origin, name, rec):
-        super().__init__(values)
-        self._origin, self._name, self._rec = origin, name, rec
-
-    def _read(self, i):
-        v = list.__getitem__(self, i)
-        if isinstance(v, _TrackedList):
-            return v
-        with self._rec.quiet():
-            self._rec.note_read(self._name, torch.tensor([self._origin[i]]), "tolist[i]")
-        return v
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):   # a tile: one load of its elements, then a plain list (SRAM), read for free
-            idx = range(len(self))[i]
-            items = [list.__getitem__(self, j) for j in idx]
-            origins = _flat_origins([self._origin[j] for j in idx])
-            if origins:
-                with self._rec.quiet():
-                    self._rec.note_read(self._name, torch.tensor(origins), "tolist[a:b]")
-            return [_plain(v) for v in items]
-        return self._read(i)
-
-    def __iter__(self):
-        for i in range(len(self)):
-            yield self._read(i)
-
-    def __reversed__(self):
-        for i in reversed(range(len(self))):
-            yield self._read(i)
-
-    def __contains__(self, v):
-        return any(x == v for x in self)
-
-    def copy(self):
-        return self[:]
-
-
-def _flat_origins(origin) -> list:
-    out = []
-    for o in origin:
-        if isinstance(o, list):
-            out += _flat_origins(o)
-        elif o >= 0:
-            out.append(o)
-    return out
-
-
-def _plain(v):
-    return [_plain(x) for x in list.__iter__(v)] if isinstance(v, list) else v
-
-
-def _wrap_list(values, origin, name, rec):
-    if isinstance(values, list):
-        return _TrackedList([_wrap_list(v, o, name, rec) if isinstance(v, list) else v
-                             for v, o in zip(values, origin)], origin, name, rec)
-    return values
-
-
-class _TrackedArray(np.ndarray):
-    """A numpy array the meter follows: its ufuncs and functions are counted like torch ops."""
-
-    _rec = None
-
-    def __array_finalize__(self, obj):
-        self._tile = getattr(obj, "_tile", None)
-
-    # ---- element access
-    def __getitem__(self, key):
-        out = super().__getitem__(key)
-        rec = _TrackedArray._rec
-        if rec is None:
-            return out
-        if isinstance(out, np.ndarray):
-            out = out.view(_TrackedArray)
-            out._tile = self._tile if self._tile is not None else rec.new_tile()
-            return out
-        with rec.quiet():
-            prov = rec.prov.of_array(self.view(np.ndarray))
-            if prov is not None:
-                idx = prov[1].numpy()[key]
-                if idx >= 0:
-                    rec.note_read(prov[0], torch.tensor([int(idx)]), "ndarray[i]")
-        return out
-
-    def __iter__(self):
-        for i in range(len(self)):
-            yield self[i]
-
-    def tolist(self):
-        rec = _TrackedArray._rec
-        plain = self.view(np.ndarray)
-        if rec is None:
-            return plain.tolist()
-        with rec.quiet():
-            return rec.to_list(plain, plain.tolist(), rec.prov.of_array(plain), tile=self._tile)
-
-    def item(self, *args):
-        if args:
-            return self[args if len(args) > 1 else args[0]].item()
-        return super().item()
-
-    def astype(self, dtype, *args, **kwargs):
-        return _copy_array(self, super().astype(dtype, *args, **kwargs))
-
-    def copy(self, *args, **kwargs):
-        return _copy_array(self, super().copy(*args, **kwargs))
-
-    # ---- compute
-    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
-        rec = _TrackedArray._rec
-        plain = [x.view(np.ndarray) if isinstance(x, _TrackedArray) else x for x in inputs]
-        if out is not None:
-            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, _TrackedArray) else x for x in out)
-        if rec is not None:
-            rec.depth += 1
-        try:
-            result = getattr(ufunc, method)(*plain, **kwargs)
-        finally:
-            if rec is not None:
-                rec.depth -= 1
-        if rec is not None:
-            with rec.quiet():
-                rec.numpy_op(f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}"), inputs,
-                             result, ufunc=ufunc, method=method)
-        return _wrap_result(result, out)
-
-    def __array_function__(self, func, types, args, kwargs):
-        rec = _TrackedArray._rec
-        if rec is None:
-            return super().__array_function__(func, types, args, kwargs)
-        before = rec.numpy_events
-        rec.depth += 1
-        try:
-            result = super().__array_function__(func, types, args, kwargs)
-        finally:
-            rec.depth -= 1
-        if rec.numpy_events == before:   # implemented in C: no ufunc inside told us anything
-            leaves = [a for a in _np_leaves((args, kwargs)) if isinstance(a, np.ndarray)]
-            with rec.quiet():
-                rec.numpy_op(f"np.{func.__name__}", leaves, result, func=func)
-        return _wrap_result(result, None)
-
-
-def _np_leaves(obj):
-    if isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _np_leaves(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _np_leaves(x)
-    else:
-        yield obj
-
-
-def _wrap_result(result, out):
-    if out is not None:
-        return result
-    if isinstance(result, tuple):
-        return tuple(_wrap_result(r, None) for r in result)
-    if isinstance(result, np.ndarray) and not isinstance(result, _TrackedArray):
-        return result.view(_TrackedArray)
-    return result
-
-
-def _copy_array(src, out):
-    rec = _TrackedArray._rec
-    if rec is None or out is src:
-        return out
-    out = out.view(_TrackedArray) if not isinstance(out, _TrackedArray) else out
-    with rec.quiet():
-        prov = rec.prov.of_array(src.view(np.ndarray))
-        if rec.prov.whole(prov):
-            rec.prov.add_copy_array(prov[0], prov[1], out.view(np.ndarray))
-        elif prov is not None:
-            rec.read_array(src, "np.copy")
-            rec.note_made(out.size, out.shape, "np.copy")
-    return out
-
-
-class _Recorder(TorchDispatchMode):
+class _Recorder(_FollowsPython, TorchDispatchMode):
     """Records, for every op: which storages it read and wrote, and what it made."""
 
     def __init__(self):
@@ -556,66 +367,6 @@ class _Recorder(TorchDispatchMode):
         if elems is not None:
             elems = elems[elems >= 0]
         return (self._key(t), _bytes(t), _span(t), name, elems)
-
-    def read_array(self, a, op):
-        """A numpy op read array a: a load of the input elements it holds (once per numpy tile)."""
-        tile = getattr(a, "_tile", None)
-        if tile is not None and tile in self.loaded:
-            return
-        prov = self.prov.of_array(a.view(np.ndarray))
-        if prov is None:
-            return
-        if tile is not None:
-            self.loaded.add(tile)
-        elems = prov[1].flatten()
-        self.note_read(prov[0], elems[elems >= 0], op)
-
-    def numpy_op(self, op, inputs, result, ufunc=None, method=None, func=None):
-        if self.depth:
-            return
-        self.numpy_events += 1
-        self.ops[op] += 1
-        arrays = [x for x in inputs if isinstance(x, np.ndarray)]
-        base = (ufunc.__name__ if ufunc is not None else func.__name__ if func is not None else op)
-        read = [] if base in _NP_NO_READ else arrays[1:] if base == "copyto" else arrays
-        for a in read:
-            self.read_array(a, op)
-        outs = [r for r in (result if isinstance(result, tuple) else (result,)) if isinstance(r, np.ndarray)]
-        out_size = sum(r.size for r in outs) if outs else 1
-        in_size = max((a.size for a in arrays), default=1)
-        if base in _NP_NO_READ:
-            in_size = 0
-        if base in ("matmul", "dot", "inner", "tensordot", "vdot", "einsum") and len(arrays) >= 2:
-            a, b = arrays[0], arrays[1]
-            k = a.shape[-1] if a.ndim else 1
-            self.extra_flops += 2 * max(out_size, 1) * k
-        elif method in (None, "__call__") and ufunc is not None:
-            self.elementwise_flops += out_size
-            self.elementwise[op] += out_size
-            if base in ("divide", "true_divide", "floor_divide", "reciprocal"):
-                divisor = inputs[-1] if base != "reciprocal" else inputs[0]
-                if isinstance(divisor, np.ndarray) and divisor.size > 1:
-                    self.divisions += out_size
-        else:   # reductions and other functions: one per element read
-            self.elementwise_flops += in_size
-        for r in outs:
-            if r.ndim:
-                self.note_made(r.size, r.shape, op)
-
-    # ---- conversions to Python and numpy (called by _Escapes)
-    def to_list(self, source, values, prov, tile=None, tensor=None):
-        if self.prov.whole(prov):
-            if isinstance(values, list):
-                return _wrap_list(values, prov[1].tolist(), prov[0], self)
-            self.note_read(prov[0], prov[1].flatten(), "tolist")
-            return values
-        if tensor is not None:
-            entry = self._read_entry(tensor)
-            if entry is not None:
-                self.events.append(("tolist", [entry], []))
-        elif prov is not None:
-            self.read_array(source, "tolist")
-        return values
 
     # ---- torch ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -737,103 +488,6 @@ class _Recorder(TorchDispatchMode):
             self.noop_masks += int(bool(b.all()) if name == "where" else not bool(b.any()))
 
 
-@contextlib.contextmanager
-def _escapes(rec: _Recorder):
-    """Follows a tensor out of torch, into a Python list or a numpy array: ``t.tolist()``,
-    ``t.numpy()`` and ``t.__array__()`` are wrapped while the meter runs (a TorchFunctionMode
-    would do it too, at the cost of a Python call around every torch op)."""
-    names = ("tolist", "numpy", "__array__")
-    own = {n: torch.Tensor.__dict__[n] for n in names if n in torch.Tensor.__dict__}
-    originals = {n: getattr(torch.Tensor, n) for n in names}
-
-    def wrap(name, orig):
-        def escape(self, *args, **kwargs):
-            values = orig(self, *args, **kwargs)
-            if rec.off:
-                return values
-            rec.escapes[name] += 1
-            with rec.quiet():
-                if name == "tolist":
-                    return rec.to_list(None, values, rec.prov.of_tensor(self), tensor=self)
-                return _tensor_to_array(rec, self, values)
-        escape.__name__ = name
-        return escape
-    try:
-        for n, f in originals.items():
-            setattr(torch.Tensor, n, wrap(n, f))
-        yield
-    finally:
-        for n in names:
-            if n in own:
-                setattr(torch.Tensor, n, own[n])
-            else:
-                delattr(torch.Tensor, n)
-
-
-def _tensor_to_array(rec, t, arr):
-    """``t.numpy()``: a whole input stays that input; a piece of one is loaded (copied) into SRAM."""
-    prov = rec.prov.of_tensor(t)
-    if prov is None or rec.prov.whole(prov):
-        if prov is not None and arr.__array_interface__["data"][0] != t.data_ptr():
-            rec.prov.add_copy_array(prov[0], prov[1], arr)   # __array__(dtype) made a copy
-        rec.keep.append(t)
-        return arr.view(_TrackedArray)
-    if arr.size and rec.prov.of_array(arr) is not None:
-        # a piece of an input, sharing its memory: a load when an op reads it (np.zeros_like(piece) reads nothing)
-        out = arr.view(_TrackedArray)
-        out._tile = rec.new_tile()
-        rec.keep.append(t)
-        return out
-    entry = rec._read_entry(t)
-    if entry is not None:
-        rec.events.append(("numpy", [entry], []))
-    out = np.array(arr).view(_TrackedArray)
-    rec.note_made(out.size, out.shape, "np.array")
-    return out
-
-
-@contextlib.contextmanager
-def _numpy_constructors(rec):
-    """np.array / np.asarray / np.asanyarray of a tensor or a followed list give followed arrays."""
-    saved = {n: getattr(np, n) for n in ("array", "asarray", "asanyarray")}
-
-    def make(fname, orig):
-        def from_tracked(arr, args, kwargs):
-            if fname == "array":
-                kwargs["subok"] = True
-                res = orig(arr, *args, **kwargs)
-                return _copy_array(arr, res) if res is not arr else res
-            dtype = args[0] if args else kwargs.get("dtype")
-            return arr if dtype is None or np.dtype(dtype) == arr.dtype else arr.astype(dtype)
-
-        def conv(obj, *args, **kwargs):
-            if isinstance(obj, torch.Tensor):
-                rec.escapes["np." + fname] += 1
-                with rec.quiet():
-                    arr = _tensor_to_array(rec, obj, obj.detach().cpu().resolve_conj().numpy())
-                return from_tracked(arr, args, kwargs)
-            if isinstance(obj, _TrackedList) and obj and not isinstance(list.__getitem__(obj, 0), list):
-                res = _NP_ARRAY(list(list.__iter__(obj)), *args, **kwargs).view(_TrackedArray)
-                with rec.quiet():
-                    idx = torch.tensor(obj._origin)
-                    if rec.prov.whole((obj._name, idx)):
-                        rec.prov.add_copy_array(obj._name, idx, res.view(np.ndarray))
-                    else:
-                        rec.note_read(obj._name, idx, "np.array(list)")
-                return res
-            if isinstance(obj, _TrackedArray):
-                return from_tracked(obj, args, kwargs)
-            return orig(obj, *args, **kwargs)
-        return conv
-    try:
-        for n, f in saved.items():
-            setattr(np, n, make(n, f))
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(np, n, f)
-
-
 def _tensor_leaves(obj):
     leaves, _ = tree_flatten(obj)
     return [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -853,13 +507,8 @@ def measure(fn, *args, names=None, **kwargs) -> Measurement:
         hbm.setdefault(rec._key(t), nm)
         rec.prov.add_input(nm, t)
     flop_mode = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
-    prev = _TrackedArray._rec
-    _TrackedArray._rec = rec
-    try:
-        with _numpy_constructors(rec), _escapes(rec), flop_mode, rec:
-            result = fn(*args, **kwargs)
-    finally:
-        _TrackedArray._rec = prev
+    with following(rec), flop_mode, rec:
+        result = fn(*args, **kwargs)
     outs = _tensor_leaves(result)
     for i, o in enumerate(outs):
         hbm.setdefault(rec._key(o), "out" if len(outs) == 1 else f"out{i}")

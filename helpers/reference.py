@@ -1,7 +1,8 @@
 """The float64 references every checker compares against.
 
 Attention goes through ``torch.nn.functional.scaled_dot_product_attention`` (SDPA)
-and the log-sum-exp through ``torch.logsumexp``, both on float64 copies. The course's
+and the log-sum-exp through ``torch.logsumexp``, both on float64 copies; the gradients
+(``attention_grads``) are torch.autograd's through that same forward. The course's
 convention for a row with nothing to attend to: O = 0, lse = -inf (torch.logsumexp's value for
 an empty row; FlashAttention-2's own forward returns lse = +inf there, lesson 05 says why).
 CPU lessons work per head: q ``[N, d]``, k and v ``[Nk, d]``, scale ``1/sqrt(d)``.
@@ -13,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["softmax_stats", "merge_ml", "lse_from_stats", "causal_mask", "attention"]
+__all__ = ["softmax_stats", "merge_ml", "lse_from_stats", "causal_mask", "attention", "attention_grads"]
 
 
 def softmax_stats(x: torch.Tensor, dim: int = -1):
@@ -72,3 +73,16 @@ def attention(q, k, v, mask=None, scale=None):
     empty = torch.isneginf(lse)
     o = torch.where(empty[..., None], torch.zeros_like(o), o)   # the convention, whatever the SDPA version gives
     return o, lse
+
+
+def attention_grads(q, k, v, do, mask=None, scale=None):
+    """(O, lse, dq, dk, dv) in float64: ``attention``'s forward and torch.autograd's gradients for ``dO = do``.
+
+    Shapes as ``attention``; on the inputs' device. A row that sees no key has O = 0 and zero gradients.
+    """
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    O, lse = attention(q64, k64, v64, mask=mask, scale=scale)
+    if not O.requires_grad:                                     # no query or no key: nothing to differentiate
+        return O, lse, torch.zeros_like(q64), torch.zeros_like(k64), torch.zeros_like(v64)
+    O.backward(do.detach().double())
+    return O.detach(), lse.detach(), q64.grad, k64.grad, v64.grad

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 __all__ = ["RESULTS", "TRAINING", "RING", "load_json", "load_results", "load_training", "load_gpu_results",
-           "results_label", "section_rows", "geomean", "geomean_ratio", "fmt", "decode_rows", "prefill_table",
+           "results_label", "section_rows", "plot_tflops", "geomean", "geomean_ratio", "fmt", "decode_rows", "prefill_table",
            "decode_table", "backward_table", "gpu_results_table", "NOT_MEASURED", "serving_results",
            "serving_tables"]
 
@@ -61,6 +61,37 @@ def section_rows(res, section: str, dtype=None, d=None, causal=None) -> list:
             if (dtype is None or r["dtype"] == dtype) and (d is None or r["d"] == d)
             and (causal is None or bool(r["causal"]) == bool(causal))]
     return sorted(rows, key=lambda r: (r["dtype"], r["d"], bool(r["causal"]), r["N"]))
+
+
+def plot_tflops(res, section: str, impls, empty: str, ceilings=None):
+    """TFLOP/s against N, one panel per (dtype, d, causal) of a prefill-shaped section (``prefill``,
+    ``backward``), one line per ``(row key, label, style)`` of ``impls``; ``ceilings={'tflops': x}`` draws the
+    matrix rate. Raises ValueError(``empty``) when the section has no rows."""
+    import matplotlib.pyplot as plt
+    keys = sorted({(r["dtype"], r["d"], bool(r["causal"])) for r in section_rows(res, section)})
+    if not keys:
+        raise ValueError(empty)
+    cols = min(4, len(keys))
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.0 * nrows), squeeze=False)
+    for ax, (dt, d, causal) in zip(axes.flat, keys):
+        rows = section_rows(res, section, dt, d, causal)
+        for key, label, style in impls:
+            pts = [(r["N"], r[key]) for r in rows if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label, ms=3)
+        if ceilings and ceilings.get("tflops"):
+            ax.axhline(ceilings["tflops"], color="k", lw=0.8, ls=":", label="measured matmul rate")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{dt}, d={d}, {'causal' if causal else 'full'}", fontsize=9)
+        ax.set_xlabel("N")
+        ax.set_ylabel("TFLOP/s")
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{section}: " + results_label(res, section), fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def geomean(xs):

@@ -1,4 +1,4 @@
-"""Facts the lessons state, held by tests (issue 16: the lessons say only what is true).
+"""Facts the lessons state, held by tests (the lessons say only what is true).
 
 Each test pins one statement of a worked notebook to something that can be computed here:
 the timing statistic the live cells use, the decode arithmetic intensity, the course's split
@@ -222,18 +222,28 @@ def test_lesson06_table_gives_the_librarys_argument_order(fn):
     assert names == LIBRARY_SIGNATURES[fn]
 
 
-@pytest.mark.parametrize("name, wrong", [
-    ("05_fully_masked_rows", "The FlashAttention convention"),        # FA2 writes lse = +inf there
-    ("05_fully_masked_rows", "it rounds to −∞"),                      # masked_fill raises in float16
-    ("06_flash_decoding", "splits fall on page boundaries"),          # FA2 splits on kBlockN tiles
-    ("06_flash_decoding", "The library calls this\npacking GQA"),     # PackGQA is FA3's; FA2 swaps groups
-    ("06_flash_decoding", "a heuristic picks (like `L.suggest_splits`)"),
-    ("07_triton_gpu", "`do_bench` reports a median"),                 # its default is the mean
-    ("07_triton_gpu", "~2 FLOPs per query head"),                     # 1 FLOP per byte per query head
-    ("02_flash_attention_v1", "> The FLOPs are the same as standard attention"),   # forward only
+@pytest.mark.parametrize("name, wrong, right", [
+    ("05_fully_masked_rows", "The FlashAttention convention",           # FA2 writes lse = +inf there
+     "FA2's +∞ is for its backward pass"),
+    ("05_fully_masked_rows", "it rounds to −∞",                         # masked_fill raises in float16
+     "on a float16 tensor raises an overflow"),
+    ("06_flash_decoding", "splits fall on page boundaries",             # FA2 splits on kBlockN tiles
+     "FlashAttention-2 splits on key tiles of `kBlockN` = 64–256 keys"),
+    ("06_flash_decoding", "The library calls this\npacking GQA",        # PackGQA is FA3's; FA2 swaps groups
+     "FlashAttention-3 calls its version *PackGQA*"),
+    ("06_flash_decoding", "a heuristic picks (like `L.suggest_splits`)",
+     "the library's heuristic picks (`L.fa2_num_splits`, not the course's `L.suggest_splits`)"),
+    ("07_triton_gpu", "`do_bench` reports a median",                    # its default is the mean
+     "`do_bench` returns the *mean*"),
+    ("07_triton_gpu", "~2 FLOPs per query head",                        # 1 FLOP per byte per query head
+     "used for 1 FLOP per query head that shares it"),
+    ("02_flash_attention_v1", "> The FLOPs are the same as standard attention",   # forward only
+     "> The forward does the same matmul FLOPs as standard attention"),
 ])
-def test_retracted_statements_stay_out(name, wrong):
-    assert wrong not in _markdown(name)
+def test_retracted_statements_stay_out(name, wrong, right):
+    text = _markdown(name)
+    assert wrong not in text
+    assert right in text, f"{name} no longer says what replaced the retracted statement: {right!r}"
 
 
 # =========================================================================== issue 23: lessons 06–10

@@ -238,7 +238,7 @@ def test_bytes_figures_of_the_lesson():
     assert stats_bytes(8192, heads=32) == 2 * 2**20
 
 
-# ------------------------------------------------------------------ hints that name the mistake (issue 11)
+# ------------------------------------------------------------------ hints that name the mistake
 def test_lse_in_log2_of_l_is_named():
     msg = rejects(check.lse_from_stats, lambda m, l: m + torch.log2(l), "m + log2(l)", "natural log")
     assert "overflows" not in msg

@@ -16,8 +16,9 @@ NB = "03_flash_attention_v2"
 
 
 # ------------------------------------------------------------------ planted bugs
-def _v2(q, k, v, Br=4, Bc=3, *, scale=None, lse_as=None, no_alpha=False, in_place=False):
-    """V2 with one planted mistake."""
+def _v2(q, k, v, Br=4, Bc=3, *, scale=None, lse_as=None, no_alpha=False, in_place=False, reslice_q=False,
+        o_every_step=False):
+    """V2 with one planted mistake (right numbers, wrong traffic: ``reslice_q``, ``o_every_step``)."""
     N, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if in_place:
@@ -30,14 +31,17 @@ def _v2(q, k, v, Br=4, Bc=3, *, scale=None, lse_as=None, no_alpha=False, in_plac
         l = torch.zeros(Qi.shape[0])
         acc = torch.zeros(Qi.shape[0], d)
         for j in range(0, k.shape[0], Bc):
-            S = Qi @ k[j:j + Bc].T * scale
+            S = (q[i:i + Br] if reslice_q else Qi) @ k[j:j + Bc].T * scale     # reslice_q: a new load each time
             m_new = torch.maximum(m, S.amax(1))
             P = torch.exp(S - m_new[:, None])
             alpha = torch.exp(m - m_new)
             l = alpha * l + P.sum(1)
             acc = (acc if no_alpha else alpha[:, None] * acc) + P @ v[j:j + Bc]
             m = m_new
-        O[i:i + Br] = acc / l[:, None]
+            if o_every_step:
+                O[i:i + Br] = acc / l[:, None]
+        if not o_every_step:
+            O[i:i + Br] = acc / l[:, None]
         lse[i:i + Br] = {None: m + torch.log(l), "max": m, "log2": (m + torch.log(l)) / math.log(2),
                          "log_l": torch.log(l)}[lse_as]
     return O, lse
@@ -119,22 +123,7 @@ def v1_loop_order_acc(q, k, v, Br=4, Bc=3):
 
 def reslices_q(q, k, v, Br=4, Bc=3):
     """V2's order, but q[i:i+Br] sliced again inside the KV loop: a new load each time."""
-    N, d = q.shape
-    O, lse = torch.empty(N, d), torch.empty(N)
-    for i in range(0, N, Br):
-        n = min(Br, N - i)
-        m, l, acc = torch.full((n,), -math.inf), torch.zeros(n), torch.zeros(n, d)
-        for j in range(0, k.shape[0], Bc):
-            S = q[i:i + Br] @ k[j:j + Bc].T / math.sqrt(d)
-            m_new = torch.maximum(m, S.amax(1))
-            P = torch.exp(S - m_new[:, None])
-            alpha = torch.exp(m - m_new)
-            l = alpha * l + P.sum(1)
-            acc = alpha[:, None] * acc + P @ v[j:j + Bc]
-            m = m_new
-        O[i:i + Br] = acc / l[:, None]
-        lse[i:i + Br] = m + torch.log(l)
-    return O, lse
+    return _v2(q, k, v, Br, Bc, reslice_q=True)
 
 
 def tiles_collected_then_cat(q, k, v, Br=4, Bc=3):
@@ -187,22 +176,7 @@ def test_planted_bugs_rejected(fn, words):
 def test_o_written_more_than_once_is_named():
     """q read once but O written at every KV block."""
     def writes_o_each_step(q, k, v, Br=4, Bc=3):
-        N, d = q.shape
-        O, lse = torch.empty(N, d), torch.empty(N)
-        for i in range(0, N, Br):
-            Qi = q[i:i + Br]
-            m, l, acc = torch.full((Qi.shape[0],), -math.inf), torch.zeros(Qi.shape[0]), torch.zeros(Qi.shape[0], d)
-            for j in range(0, k.shape[0], Bc):
-                S = Qi @ k[j:j + Bc].T / math.sqrt(d)
-                m_new = torch.maximum(m, S.amax(1))
-                P = torch.exp(S - m_new[:, None])
-                alpha = torch.exp(m - m_new)
-                l = alpha * l + P.sum(1)
-                acc = alpha[:, None] * acc + P @ v[j:j + Bc]
-                m = m_new
-                O[i:i + Br] = acc / l[:, None]
-            lse[i:i + Br] = m + torch.log(l)
-        return O, lse
+        return _v2(q, k, v, Br, Bc, o_every_step=True)
     rejects(check.flash_attn_v2, writes_o_each_step, "O was written 5 times", "write O[i:i+Br] = acc / l once")
 
 

@@ -187,7 +187,7 @@ def test_pictures_draw():
     plt.close("all")
 
 
-# ------------------------------------------------------------------ hints that name the mistake (issue 11)
+# ------------------------------------------------------------------ hints that name the mistake
 def _classifier(skip_row="last", skip_key="first", full_row="first", full_key="last", minus_one=1,
                 offset=lambda N, Nk: Nk - N):
     """classify_tile written by a learner, with the corners and the offset as knobs."""

@@ -21,6 +21,9 @@ NEG_INF = -math.inf
 
 # float32 tiles against a float64 reference: a few rounding steps per KV block.
 RTOL, ATOL = 1e-4, 1e-5
+# gradients (lesson 08), float32 tiles against float64 autograd: a few rounding steps per tile, on
+# gradients of order 1.
+GRAD_RTOL, GRAD_ATOL = 2e-4, 2e-5
 
 
 def gen(seed: int) -> torch.Generator:
@@ -312,14 +315,24 @@ def check_visible_work(g, r, vis, Br, Bc, d, skip_hint, tile_hint):
 
 
 # ------------------------------------------------------------------ Triton exercises (07, 08)
-def triton_dtypes():
-    """(first, second) dtypes the Triton checkers test in: fp32 and fp16 under the interpreter (no bf16 there);
-    fp16 and bf16 on a GPU; fp16 and fp32 before sm_80 (a T4 has no bf16, and the kernels refuse it there)."""
+def device():
+    """Where the Triton exercises run: a CUDA GPU, else the CPU (Triton's interpreter)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_dtypes():
+    """(first, second) dtypes the Triton exercises are checked in: fp32 and fp16 under the interpreter (no bf16
+    there); fp16 and bf16 on a GPU; fp16 and fp32 before sm_80 (a T4 has no bf16, and the kernels refuse it)."""
     if not torch.cuda.is_available():
         return torch.float32, torch.float16
     if torch.cuda.get_device_capability() < (8, 0):
         return torch.float16, torch.float32
     return torch.float16, torch.bfloat16
+
+
+def device_randn(gen, *shape, dtype, scale=1.0):
+    """Seeded normal inputs (drawn on the CPU, so the same on every machine), cast to ``dtype`` on ``device()``."""
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device())
 
 
 def stubbed(fn):

@@ -14,7 +14,7 @@ import torch
 
 from .. import lesson07, reference
 from ..checking import Bug, Case, exercise
-from ._common import stubbed as _stubbed, triton_dtypes
+from ._common import device_dtypes as _dtypes, device_randn as _randn, stubbed as _stubbed
 
 # torch ops that mean the answer was computed with torch, not in the kernel
 _TORCH_MATH = {"mm", "bmm", "matmul", "addmm", "baddbmm", "_softmax", "softmax", "logsumexp", "exp", "exp2",
@@ -38,20 +38,6 @@ def _check_host(g, r, q, hint):
     if used or r.flops or r.elementwise_flops > q.numel():
         what = ", ".join("aten." + u for u in used) or f"{r.flops + r.elementwise_flops:,} FLOPs of torch ops"
         g.fail(f"your launcher ran torch ops on the host: {what}", hint=hint)
-
-
-def _device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _dtypes():
-    return triton_dtypes()
-
-
-
-
-def _randn(gen, *shape, dtype, scale=1.0):
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(_device())
 
 
 def _bound(o_ref, q, k, v, dtype, causal=False, sm_scale=None, sdpa_args=None):

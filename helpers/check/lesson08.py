@@ -20,15 +20,9 @@ import torch
 from .. import reference
 from ..checking import Bug, Case, _where_in_learner_code, exercise
 from ..lesson04 import visible_tile_flops
+from ._common import GRAD_ATOL as ATOL, GRAD_RTOL as RTOL, NEG_INF, gen
 
-# float32 tiles against float64 autograd: a few rounding steps per tile, on gradients of order 1.
-RTOL, ATOL = 2e-4, 2e-5
-NEG_INF = -math.inf
 BWD_NAMES = ("q", "k", "v", "o", "lse", "do")
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def _mask(N, Nk, causal, align):
@@ -36,11 +30,8 @@ def _mask(N, Nk, causal, align):
 
 
 def reference_grads(q, k, v, do, causal=False, align="top_left"):
-    """float64 (O, lse, dq, dk, dv) by torch.autograd through SDPA (``helpers.reference.attention``)."""
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    O, lse = reference.attention(q64, k64, v64, mask=_mask(q.shape[0], k.shape[0], causal, align))
-    O.backward(do.detach().double())
-    return O.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
+    """float64 (O, lse, dq, dk, dv) by torch.autograd through SDPA (``helpers.reference.attention_grads``)."""
+    return reference.attention_grads(q, k, v, do, mask=_mask(q.shape[0], k.shape[0], causal, align))
 
 
 class _Watch:
@@ -136,7 +127,7 @@ def _meter(g, fn, case, names):
 
 # ------------------------------------------------------------------ attn_bwd_preprocess
 def _pre_cases():
-    rng = _gen(80)
+    rng = gen(80)
     cases = [
         Case("N = 6, d = 4", torch.randn(6, 4, generator=rng), torch.randn(6, 4, generator=rng)),
         Case("N = 1", torch.randn(1, 8, generator=rng), torch.randn(1, 8, generator=rng)),
@@ -172,8 +163,8 @@ def attn_bwd_preprocess(g):
                   hint="D_i = sum_c dO[i, c] * O[i, c], one number per row")
         g.count()
     N, d = 32, 4
-    case = Case(f"the idea, metered: N = {N}, d = {d}", torch.randn(N, d, generator=_gen(81)),
-                torch.randn(N, d, generator=_gen(82)))
+    case = Case(f"the idea, metered: N = {N}, d = {d}", torch.randn(N, d, generator=gen(81)),
+                torch.randn(N, d, generator=gen(82)))
     r = _meter(g, g.fn, case, ("o", "do"))
     if r.largest.numel > N * d:
         g.fail(f"your function made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}); "
@@ -193,7 +184,7 @@ def _bwd_case(name, q, k, v, do, note="", **kw):
 
 def bwd_cases():
     """Random and adversarial cases: ragged tiles, N != Nk, one row, large logits, causal both alignments."""
-    rng = _gen(83)
+    rng = gen(83)
 
     def qkvd(N, Nk, d, qmul=1.0):
         return (torch.randn(N, d, generator=rng) * qmul, torch.randn(Nk, d, generator=rng),
@@ -360,9 +351,9 @@ def _largest_hint(shape, N, Nk, Br, Bc):
 def _bwd_idea(g):
     """The idea, metered: K, V read once; dK, dV written once; nothing N x Nk; no max, no softmax;
     D once; 10 N Nk d matmul FLOPs (2.5x the forward), only visible tiles when causal."""
-    gen = _gen(84)
+    rng = gen(84)
     N, Nk, d, Br, Bc = 32, 40, 4, 8, 8
-    q, k, v, do = (torch.randn(n, d, generator=gen) for n in (N, Nk, Nk, N))
+    q, k, v, do = (torch.randn(n, d, generator=rng) for n in (N, Nk, Nk, N))
     case = _bwd_case(f"the idea, metered: N = {N}, Nk = {Nk}, d = {d}, Br = {Br}, Bc = {Bc}", q, k, v, do,
                      Br=Br, Bc=Bc)
     r = _meter(g, g.fn, case, BWD_NAMES)
@@ -450,7 +441,7 @@ def _bwd_idea(g):
     # causal: only the tiles with a visible key
     N = Nk = 24
     d, Br, Bc = 8, 4, 3
-    q, k, v, do = (torch.randn(n, d, generator=gen) for n in (N, Nk, Nk, N))
+    q, k, v, do = (torch.randn(n, d, generator=rng) for n in (N, Nk, Nk, N))
     case = _bwd_case(f"the causal work, metered: N = Nk = {N}, d = {d}, Br = {Br}, Bc = {Bc}", q, k, v, do,
                      Br=Br, Bc=Bc, causal=True)
     r = _meter(g, g.fn, case, BWD_NAMES)
@@ -494,7 +485,7 @@ def flash_attn_bwd(g):
 
 # ------------------------------------------------------------------ FlashAttentionFunction
 def _fn_cases():
-    rng = _gen(85)
+    rng = gen(85)
 
     def qkvd(N, Nk, d):
         return tuple(torch.randn(n, d, generator=rng) for n in (N, Nk, Nk, N))
@@ -616,13 +607,13 @@ def FlashAttentionFunction(g):
                            "lse, the incoming dO, and causal, Br, Bc from ctx")
         g.count()
     # gradcheck in float64 on small shapes
-    gen = _gen(86)
+    rng = gen(86)
     for causal in (False, True):
-        q, k, v = (torch.randn(n, 3, generator=gen, dtype=torch.float64) for n in (5, 7, 7))
+        q, k, v = (torch.randn(n, 3, generator=rng, dtype=torch.float64) for n in (5, 7, 7))
         g.case = Case(f"torch.autograd.gradcheck, float64, causal={causal}", q, k, v, causal=causal, Br=2, Bc=3)
         inputs = tuple(t.clone().requires_grad_() for t in (q, k, v))
         # float64 in, float64 accuracy out: first the gradients against autograd, which says what is wrong
-        do = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+        do = torch.randn(5, 3, generator=rng, dtype=torch.float64)
         got = g.call(Case(g.case.name, q, k, v, do, causal=causal, Br=2, Bc=3), fn=run)
         ref = reference_grads(q, k, v, do, causal)
         err = max(((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-300)).nan_to_num(math.inf).item()
@@ -657,7 +648,7 @@ def FlashAttentionFunction(g):
     # the idea: nothing N x Nk during forward and backward
     N, Nk, d, Br, Bc = 32, 40, 4, 8, 8
     case = Case(f"the idea, metered: N = {N}, Nk = {Nk}, d = {d}, Br = {Br}, Bc = {Bc}",
-                *(torch.randn(n, d, generator=gen) for n in (N, Nk, Nk, N)), causal=False, Br=Br, Bc=Bc)
+                *(torch.randn(n, d, generator=rng) for n in (N, Nk, Nk, N)), causal=False, Br=Br, Bc=Bc)
     r = _meter(g, run, case, ("q", "k", "v", "do"))
     if r.largest.numel >= N * Nk:
         g.fail(f"forward and backward made a tensor of shape {list(r.largest.shape)} (aten.{r.largest.op}): "

@@ -18,21 +18,9 @@ import torch
 
 from .. import lesson07, lesson08_gpu
 from ..checking import Bug, Case, exercise
-from ._common import stubbed, triton_dtypes
+from ._common import device_dtypes as _dtypes, device_randn as _randn, stubbed
 
 LOG2E = lesson08_gpu.LOG2E
-
-
-def _device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _dtypes():
-    return triton_dtypes()
-
-
-def _randn(gen, *shape, dtype, scale=1.0):
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(_device())
 
 
 def _launcher(inner):

@@ -12,20 +12,15 @@ The known mistakes are modelled by a one-process simulation of the ring (``_simu
 from __future__ import annotations
 
 import builtins
-import math
 
 import torch
 
 from .. import checking, reference
 from .. import lesson09 as L
 from ..checking import Bug, Case, exercise
+from ._common import NEG_INF, gen
 
-NEG_INF = -math.inf
 TIME_LIMIT_S = 20.0     # per input and rank; tests lower it
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 # ------------------------------------------------------------------ merge_attention
@@ -34,7 +29,7 @@ def _merge64(o_a, lse_a, o_b, lse_b):
 
 
 def _merge_case(name, shape, seed, lse_scale=3.0, note="", edit=None):
-    rng = _gen(seed)
+    rng = gen(seed)
     o_a, o_b = torch.randn(*shape, generator=rng), torch.randn(*shape, generator=rng)
     lse_a, lse_b = (torch.randn(*shape[:-1], generator=rng) * lse_scale for _ in range(2))
     if edit:
@@ -210,7 +205,7 @@ def _ring_bug_models(case):
 
 # ------------------------------------------------------------------ ring_attention: the cases
 def _ring_case(name, P, B, H, N, d, causal, layout, seed, scale=1.0, note=""):
-    rng = _gen(seed)
+    rng = gen(seed)
     q = torch.randn(B, H, N, d, generator=rng) * scale
     k, v = torch.randn(B, H, N, d, generator=rng), torch.randn(B, H, N, d, generator=rng)
     return Case(name, q, k, v, causal=causal, layout=layout, world_size=P, note=note)
