@@ -421,6 +421,30 @@ def _decode_tail_offsets(
 
 
 @triton.jit
+def _decode_step(q, k, v, m_i, l_i, acc, qk_scale, cols, key_ok, row_end, MASKED: tl.constexpr):
+    """One key tile of the online softmax: returns the updated (m_i, l_i, acc), all base 2.
+
+    MASKED: key j of the tile counts for row r when key_ok[j] and cols[j] < row_end[r]; a row
+    that has seen no key yet keeps m_i = -inf and subtracts 0 (no NaN). Unmasked: every key
+    counts, and cols, key_ok, row_end are not read."""
+    qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+    if MASKED:
+        keep = key_ok[None, :] & (cols[None, :] < row_end[:, None])  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_H]; -inf for a row that has seen no key yet
+        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # subtract 0 there instead (no NaN)
+        p = tl.math.exp2(qk - m_sub[:, None])  # [BLOCK_H, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_H]
+    else:
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_H]
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])  # [BLOCK_H, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_ij)  # [BLOCK_H]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_H, D]
+    return m_ij, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     Q, K, V, O,  # q and O: [B, NQ, H, D] contiguous ([B, H, D] when NQ = 1); K, V: see HEAD_MAJOR, PAGE
     O_part, LSE_part, Counter,  # workspace: [P, S, BLOCK_H, D] f32, [P, S, BLOCK_H] f32, [P] int32 (P = grid[1])
@@ -523,13 +547,7 @@ def _decode_kernel(
             pages = tl.load(BlockTable + table_row + nxt // PAGE, mask=nxt < full_hi, other=0)
         k = tl.load(K + offs)  # [BLOCK_N, D]
         v = tl.load(V + offs)  # [BLOCK_N, D]
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_H]
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])  # [BLOCK_H, BLOCK_N]
-        alpha = tl.math.exp2(m_i - m_ij)  # [BLOCK_H]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_H, D]
-        m_i = m_ij
+        m_i, l_i, acc = _decode_step(q, k, v, m_i, l_i, acc, qk_scale, offs_n, offs_n, offs_n, MASKED=False)
 
     for start_n in range(full_hi, hi, BLOCK_N):  # the ragged end and the causal band: masked
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -539,16 +557,7 @@ def _decode_kernel(
                                     BLOCK_N, PAGE, TOKEN_STRIDE)  # [BLOCK_N, D]
         k = tl.load(K + offs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(V + offs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
-        keep = key_ok[None, :] & (cols[None, :] < row_end[:, None])  # [BLOCK_H, BLOCK_N]
-        qk = tl.where(keep, qk * qk_scale, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_H]; -inf for a row that has seen no key yet
-        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # subtract 0 there instead (no NaN)
-        p = tl.math.exp2(qk - m_sub[:, None])  # [BLOCK_H, BLOCK_N]
-        alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_H]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_H, D]
-        m_i = m_ij
+        m_i, l_i, acc = _decode_step(q, k, v, m_i, l_i, acc, qk_scale, cols, key_ok, row_end, MASKED=True)
 
     # -- this split's partial result; a split (or row) with no keys: O_s = 0, lse_s = -inf
     empty = l_i == 0.0
