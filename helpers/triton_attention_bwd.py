@@ -40,12 +40,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import LOG2E, _check_qkv, flash_attn_triton, prune_for_device
+from .triton_attention import HEAD_DIMS, LOG2E, _check_qkv, flash_attn_triton, prune_for_device
 from .triton_mode import interpreting
 
 __all__ = ["flash_attention", "flash_attn_bwd_triton", "FlashAttentionFunction", "DEFAULT_DQ_MODE"]
 
 DEFAULT_DQ_MODE = "separate"
+BWD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d <= 128)  # no d = 256: the backward is neither tuned nor compiled for it
 
 
 # ----------------------------------------------------------------------------
@@ -325,8 +326,9 @@ def _check_inputs(q, k, v, causal, align):
         raise ValueError(f"k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}], got {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if d not in (16, 32, 64, 128):
-        raise ValueError(f"head dimension d must be one of 16, 32, 64, 128 for the backward; got {d}")
+    if d not in BWD_HEAD_DIMS:
+        raise ValueError(f"head dimension d must be one of {', '.join(map(str, BWD_HEAD_DIMS))} for the backward; "
+                         f"got {d}")
     if align not in ("top_left", "bottom_right"):
         raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
     if not isinstance(causal, bool):
