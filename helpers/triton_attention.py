@@ -46,11 +46,6 @@ except ImportError:  # pragma: no cover
 __all__ = ["flash_attn_triton", "flash_decode_triton", "interpreting"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
-LN2 = 0.6931471805599453  # ln(2): converts a base-2 lse back to natural log
-
-
-# Whether kernels run under Triton's interpreter (TRITON_INTERPRET, decided once by helpers/__init__).
-_interpreting = interpreting
 
 
 # ----------------------------------------------------------------------------
@@ -262,7 +257,7 @@ def _check_device(*tensors, names=("q", "k", "v")):
         if t.device != dev:
             raise ValueError(f"{', '.join(names[:-1])} and {names[-1]} must be on one device; "
                              f"{name} is on {t.device}, {names[0]} on {dev}")
-    if _interpreting():
+    if interpreting():
         if dev.type != "cpu":
             raise ValueError("with TRITON_INTERPRET=1 the tensors must be on the CPU")
         return _DTYPES_CPU
@@ -292,19 +287,19 @@ def _check_qkv(q, k, v, ndims, names=("q", "k", "v")):
         _check_tensor(name, x, ndim, dtypes)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"{', '.join(names)} must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.device.type == "cuda" and not _interpreting():
+    if q.device.type == "cuda" and not interpreting():
         check_dtype_for(_device_limits(q.device)[0], q.dtype)
 
 
 def _use_tma_default(q):
-    if _interpreting() or q.device.type != "cuda":
+    if interpreting() or q.device.type != "cuda":
         return False
     return use_tma_for(_device_limits(q.device)[0], q.dtype)
 
 
 def _check_use_tma(use_tma, q):
     """An explicit use_tma=True on a GPU without TMA (before sm_90): a clear error, not a compile error."""
-    if use_tma and not _interpreting() and q.device.type == "cuda":
+    if use_tma and not interpreting() and q.device.type == "cuda":
         cap = _device_limits(q.device)[0]
         if not use_tma_for(cap, q.dtype):
             raise ValueError(f"use_tma=True needs TMA (compute capability 9.0 or newer, fp16 or bf16); this is "
@@ -369,7 +364,7 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
         o.stride(0), o.stride(1), o.stride(2),
         H, Hkv, N, Nk, diag, qk_scale,
     )
-    if _interpreting() or config is not None:
+    if interpreting() or config is not None:
         cfg = dict(_INTERPRETER_FWD_CONFIG if config is None else config)
         if use_tma:
             desc_k.block_shape = [cfg["BLOCK_N"], d]
@@ -423,6 +418,30 @@ def _decode_tail_offsets(
         row = head_off + page * stride_kb + (tok % PAGE) * TOKEN_STRIDE  # [BLOCK_N]
         offs = row[:, None] + offs_d[None, :]  # [BLOCK_N, D]
     return offs
+
+
+@triton.jit
+def _decode_step(q, k, v, m_i, l_i, acc, qk_scale, cols, key_ok, row_end, MASKED: tl.constexpr):
+    """One key tile of the online softmax: returns the updated (m_i, l_i, acc), all base 2.
+
+    MASKED: key j of the tile counts for row r when key_ok[j] and cols[j] < row_end[r]; a row
+    that has seen no key yet keeps m_i = -inf and subtracts 0 (no NaN). Unmasked: every key
+    counts, and cols, key_ok, row_end are not read."""
+    qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+    if MASKED:
+        keep = key_ok[None, :] & (cols[None, :] < row_end[:, None])  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_H]; -inf for a row that has seen no key yet
+        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # subtract 0 there instead (no NaN)
+        p = tl.math.exp2(qk - m_sub[:, None])  # [BLOCK_H, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_H]
+    else:
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_H]
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])  # [BLOCK_H, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_ij)  # [BLOCK_H]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_H, D]
+    return m_ij, l_i, acc
 
 
 @triton.jit
@@ -528,13 +547,7 @@ def _decode_kernel(
             pages = tl.load(BlockTable + table_row + nxt // PAGE, mask=nxt < full_hi, other=0)
         k = tl.load(K + offs)  # [BLOCK_N, D]
         v = tl.load(V + offs)  # [BLOCK_N, D]
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_H]
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])  # [BLOCK_H, BLOCK_N]
-        alpha = tl.math.exp2(m_i - m_ij)  # [BLOCK_H]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_H, D]
-        m_i = m_ij
+        m_i, l_i, acc = _decode_step(q, k, v, m_i, l_i, acc, qk_scale, offs_n, offs_n, offs_n, MASKED=False)
 
     for start_n in range(full_hi, hi, BLOCK_N):  # the ragged end and the causal band: masked
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -544,16 +557,7 @@ def _decode_kernel(
                                     BLOCK_N, PAGE, TOKEN_STRIDE)  # [BLOCK_N, D]
         k = tl.load(K + offs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(V + offs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
-        keep = key_ok[None, :] & (cols[None, :] < row_end[:, None])  # [BLOCK_H, BLOCK_N]
-        qk = tl.where(keep, qk * qk_scale, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_H]; -inf for a row that has seen no key yet
-        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # subtract 0 there instead (no NaN)
-        p = tl.math.exp2(qk - m_sub[:, None])  # [BLOCK_H, BLOCK_N]
-        alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_H]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_H, D]
-        m_i = m_ij
+        m_i, l_i, acc = _decode_step(q, k, v, m_i, l_i, acc, qk_scale, cols, key_ok, row_end, MASKED=True)
 
     # -- this split's partial result; a split (or row) with no keys: O_s = 0, lse_s = -inf
     empty = l_i == 0.0
@@ -645,7 +649,7 @@ def _decode_workspace(device, programs, num_splits, block_h, d):
 
 def _decode_configs(q, d, block_h):
     """The shapes of _DECODE_SHAPES that fit q's GPU (every one under the interpreter)."""
-    if q.device.type != "cuda" or _interpreting():
+    if q.device.type != "cuda" or interpreting():
         return _shapes("decode", d)
     cap, smem = _device_limits(q.device)
     return fitting_configs("decode", _shapes("decode", d), d, q.dtype, cap, smem, block_h=block_h)
@@ -750,7 +754,7 @@ def _decode_launch(q, k, v, o, seqlens, block_table, *, B, Hkv, group, nq, d, Nk
     def launch(cfg):
         _decode_kernel[grid](*args, **meta, **cfg)
 
-    if config is None and _interpreting():
+    if config is None and interpreting():
         config = _INTERPRETER_DECODE_CONFIG
     if config is None:
         key = _decode_key(q, B, Hkv, Nk, num_splits, group, nq, d, page, causal)
@@ -871,7 +875,7 @@ def prune_for_device(kind, configs, nargs, kwargs):
     """triton.autotune's early_config_prune: the triton.Configs that fit the GPU of the query tensor Q."""
     args = {**nargs, **kwargs}
     q = args["Q"]
-    if q.device.type != "cuda" or _interpreting():
+    if q.device.type != "cuda" or interpreting():
         return configs
     cap, smem = _device_limits(q.device)
     fixed = {"BLOCK_M": args["BLOCK_M"]} if "BLOCK_M" in args else {}  # the varlen kernel's, fixed per head dim

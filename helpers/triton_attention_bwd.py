@@ -40,11 +40,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import LOG2E, _check_qkv, _interpreting, flash_attn_triton, prune_for_device
+from .triton_attention import HEAD_DIMS, LOG2E, _check_qkv, flash_attn_triton, prune_for_device
+from .triton_mode import interpreting
 
 __all__ = ["flash_attention", "flash_attn_bwd_triton", "FlashAttentionFunction", "DEFAULT_DQ_MODE"]
 
 DEFAULT_DQ_MODE = "separate"
+BWD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d <= 128)  # no d = 256: the backward is neither tuned nor compiled for it
 
 
 # ----------------------------------------------------------------------------
@@ -324,8 +326,9 @@ def _check_inputs(q, k, v, causal, align):
         raise ValueError(f"k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}], got {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if d not in (16, 32, 64, 128):
-        raise ValueError(f"head dimension d must be one of 16, 32, 64, 128 for the backward; got {d}")
+    if d not in BWD_HEAD_DIMS:
+        raise ValueError(f"head dimension d must be one of {', '.join(map(str, BWD_HEAD_DIMS))} for the backward; "
+                         f"got {d}")
     if align not in ("top_left", "bottom_right"):
         raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
     if not isinstance(causal, bool):
@@ -376,7 +379,7 @@ def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, alig
         dq_acc = dq = torch.empty_like(q)  # [B, H, N, d]
     args = (q, k, v, do, lse2, delta, dk, dv, dq_acc, N, Nk, diag, qk_scale, sm_scale)
     meta = dict(HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic)
-    if config is None and _interpreting():
+    if config is None and interpreting():
         config = {"dkdv": _INTERPRETER_BWD_CONFIG, "dq": _INTERPRETER_BWD_CONFIG}
     if config is not None:
         cfg = config["dkdv"]
@@ -484,7 +487,7 @@ def dkdv_teaching(q, k, v, do, inner, causal=False, sm_scale=None, *, o=None, ls
     lse2 = torch.empty_like(delta)  # [B, H, N]
     _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d,
                                                            BLOCK_M=_PRE_BLOCK_M)
-    bm, bn = block or ((16, 16) if _interpreting() else (64, 64))
+    bm, bn = block or ((16, 16) if interpreting() else (64, 64))
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # [B, H, Nk, d]
     _teach_dkdv[(triton.cdiv(Nk, bn), B * H)](q, k, v, do, lse2, delta, dk, dv, N, Nk, float(sm_scale) * LOG2E,
                                               float(sm_scale), INNER=inner, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,

@@ -1,7 +1,7 @@
 """Attention against a KV cache, contiguous or paged, in Triton (issue 14; lesson 10).
 
 ``flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table=None,
-causal=True, num_splits=None, sm_scale=None) -> O`` takes the FlashAttention library's
+causal=False, num_splits=None, sm_scale=None) -> O`` takes the FlashAttention library's
 layout and meaning (``flash_attn_with_kvcache``, without its in-place cache update):
 
 * q ``[B, Nq, H, d]``: Nq new tokens per sequence (decode: Nq = 1; a short chunk: Nq <= 16 or so).
@@ -9,9 +9,9 @@ layout and meaning (``flash_attn_with_kvcache``, without its in-place cache upda
   with ``block_table`` int32 ``[B, max_blocks]``: token t of sequence b lives in page
   ``block_table[b, t // block_size]``, row ``t % block_size``.
 * ``cache_seqlens`` int32 ``[B]``: sequence b holds that many tokens, the Nq new ones included.
-* causal (bottom-right, the library's convention): new token i sees keys
-  ``j <= cache_seqlens[b] - Nq + i``; not causal: all ``cache_seqlens[b]`` keys. A row that
-  sees no key gets O = 0.
+* causal (bottom-right, the library's convention; off by default, as in the library): new
+  token i sees keys ``j <= cache_seqlens[b] - Nq + i``; not causal: all ``cache_seqlens[b]``
+  keys. A row that sees no key gets O = 0.
 * GQA: query head h reads KV head ``h // (H // Hkv)``.
 
 The kernel is the decode kernel of helpers/triton_attention.py (``_decode_kernel``): split-KV,
@@ -40,14 +40,15 @@ def _check_index_tensor(name, x, ndim, device):
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
 
 
-def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True,
+def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=False,
                                    num_splits=None, sm_scale=None, *, config=None):
     """Attention of Nq new tokens per sequence against its cache: returns O [B, Nq, H, d] in q's dtype.
 
     q: [B, Nq, H, d]. k_cache, v_cache: [B, Nmax, Hkv, d], or with block_table (int32
     [B, max_blocks]) pages [num_blocks, block_size, Hkv, d], block_size a power of two >= 16.
     cache_seqlens: int32 [B] (or an int for all), tokens held per sequence, new ones included.
-    causal: bottom-right (new token i sees keys j <= cache_seqlens[b] - Nq + i). num_splits:
+    causal: bottom-right (new token i sees keys j <= cache_seqlens[b] - Nq + i); False by
+    default, like flash_attn_with_kvcache (for Nq = 1 both see every cached key). num_splits:
     pieces each sequence's keys are cut into; None picks from B*Hkv, the capacity and the SM
     count. sm_scale: 1/sqrt(d) by default. ``config`` (BLOCK_N, num_warps, num_stages) is for
     benchmarks.

@@ -33,11 +33,11 @@ from .triton_attention import (
     _check_head_dim,
     _check_qkv,
     _check_use_tma,
-    _interpreting,
     _set_kv_block_shape,
     _use_tma_default,
     prune_for_device,
 )
+from .triton_mode import interpreting
 
 __all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m"]
 
@@ -168,7 +168,7 @@ def _d_class(d):
 
 def varlen_block_m(d):
     """The BLOCK_M the varlen kernel uses for head dimension d (the map must be built for it)."""
-    if _interpreting():
+    if interpreting():
         return _INTERPRETER_VARLEN_CONFIG["BLOCK_M"]
     return _VARLEN_SHAPES[_d_class(d)][0]
 
@@ -275,7 +275,7 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return o, lse
     if total_k == 0:  # no sequence has a key: every row is empty (and there is nothing to point K at)
         return o.zero_(), lse.fill_(float("-inf"))
-    if config is None and _interpreting():
+    if config is None and interpreting():
         config = _INTERPRETER_VARLEN_CONFIG
     block_m = config["BLOCK_M"] if config is not None else varlen_block_m(d)  # the map is built for it
     P = (total_q + B * (block_m - 1)) // block_m  # the map's length: an upper bound on the blocks

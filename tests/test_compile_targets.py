@@ -126,7 +126,7 @@ def _capability(cc):
 def on_gpu(monkeypatch):
     """``on_gpu(cc)``: the launchers see a CUDA GPU of compute capability cc with that target's shared memory."""
     def set_target(cc):
-        monkeypatch.setattr(ta, "_interpreting", lambda: False)
+        monkeypatch.setattr(ta, "interpreting", lambda: False)
         monkeypatch.setattr(ta, "_device_limits", lambda device: (_capability(cc), TARGETS[cc]["smem"]))
         return SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float16)  # what the hooks read of q
     return set_target

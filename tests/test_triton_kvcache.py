@@ -117,8 +117,9 @@ def test_paged_equals_contiguous(block_size, block_n, num_splits):
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     kp, vp, table = to_pages(k, v, block_size, seed=block_n)
     cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=1 if not ON_GPU else 3)
-    o_c = flash_attn_with_kvcache_triton(q, k, v, seqlens, num_splits=num_splits, config=cfg)
-    o_p = flash_attn_with_kvcache_triton(q, kp, vp, seqlens, block_table=table, num_splits=num_splits, config=cfg)
+    o_c = flash_attn_with_kvcache_triton(q, k, v, seqlens, causal=True, num_splits=num_splits, config=cfg)
+    o_p = flash_attn_with_kvcache_triton(q, kp, vp, seqlens, block_table=table, causal=True, num_splits=num_splits,
+                                         config=cfg)
     assert torch.equal(o_c, o_p), f"paged != contiguous: max diff {(o_c - o_p).abs().max():.3g}"
     assert_close("O", o_p, reference(q, k, v, lens, True), TOL[DTYPES[0]])
 
@@ -131,7 +132,7 @@ def test_row_blocks_causal(monkeypatch):
     q, k, v = make_cache(3, 4, 8, 1, 16, 64, DTYPES[0], seed=11)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     for S in (1, 3):
-        o = flash_attn_with_kvcache_triton(q, k, v, seqlens, num_splits=S)
+        o = flash_attn_with_kvcache_triton(q, k, v, seqlens, causal=True, num_splits=S)
         assert_close(f"O (num_splits={S})", o, reference(q, k, v, lens, True), TOL[DTYPES[0]])
 
 
@@ -139,7 +140,8 @@ def test_reference_tells_the_causal_alignments_apart():
     """The test's reference is not fooled by a top-left mask (SDPA's is_causal), the likeliest bug."""
     lens = (40,)
     q, k, v = make_cache(1, 4, 2, 2, 16, 40, torch.float32, seed=2)
-    o = flash_attn_with_kvcache_triton(q, k, v, torch.tensor(lens, dtype=torch.int32, device=DEVICE), num_splits=2)
+    o = flash_attn_with_kvcache_triton(q, k, v, torch.tensor(lens, dtype=torch.int32, device=DEVICE), causal=True,
+                                       num_splits=2)
     top_left = reference(q, k, v, lens, True, align="top_left")
     assert (o.double().cpu() - top_left).abs().max() > 0.1
 
@@ -226,8 +228,11 @@ BAD_PAGED = [
 
 
 def test_good_inputs_of_the_bad_input_tests_run():
-    flash_attn_with_kvcache_triton(**_good())
-    flash_attn_with_kvcache_triton(**_paged())
+    """The unspoiled inputs of the bad-input tests give the right O, contiguous and paged."""
+    good = _good()
+    want = reference(good["q"], good["k_cache"], good["v_cache"], good["cache_seqlens"].tolist(), False)
+    assert_close("O (contiguous)", flash_attn_with_kvcache_triton(**good), want, TOL[DTYPES[0]])
+    assert_close("O (paged)", flash_attn_with_kvcache_triton(**_paged()), want, TOL[DTYPES[0]])
 
 
 @pytest.mark.parametrize("layout,spoil,exc,match", [("contiguous", *b) for b in BAD] + [("paged", *b) for b in BAD_PAGED])
