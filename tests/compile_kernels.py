@@ -315,6 +315,15 @@ def lesson08_jobs(cc, dtypes):
                     INNER=ns["dkdv_inner"], HEAD_DIM=d, BLOCK_M=64, BLOCK_N=64, CAUSAL=True), ints16=("N", "Nk"))
                 return fn, sig, const, attrs, dict(num_warps=4, num_stages=2)  # dkdv_teaching's launch
             jobs.append(Job("lesson 08 dkdv_teaching + notebook dkdv_inner", f"{dtype} d={d} causal 64x64", build))
+
+        def lo_probe(dtype=dtype):
+            from helpers.check import lesson08_gpu as c8
+            fn = c8._lo_probe()
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK="fp32", DV="fp32")
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
+                INNER=ns["dkdv_inner"], HEAD_DIM=16, BLOCK_M=16, BLOCK_N=16))
+            return fn, sig, const, attrs, dict(num_warps=4, num_stages=2)
+        jobs.append(Job("check.dkdv_inner lo probe", f"{dtype} D=16 BLOCK_M=BLOCK_N=16", lo_probe))
     return jobs
 
 
@@ -361,6 +370,7 @@ KERNELS = {
     "notebook 07 decode_combine": lesson07_jobs,
     "check.flash_attn_triton safe-max probe": lesson07_jobs,
     "lesson 08 dkdv_teaching + notebook dkdv_inner": lesson08_jobs,
+    "check.dkdv_inner lo probe": lesson08_jobs,
     "planted kernels of the tests": planted_jobs,
 }
 ONLY_SM90 = {"planted kernels of the tests"}  # run only in the maintainers' GPU test runs (an H200)

@@ -182,7 +182,7 @@ def test_forward_on_the_host_with_in_place_ops_is_rejected():
         sm_scale = sm_scale or q.shape[-1] ** -0.5
         s = (q.float()[..., :, None, :] * k.float()[..., None, :, :]).sum(-1) * sm_scale   # [B, H, N, Nk]
         if causal:
-            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
         m = s.amax(-1, keepdim=True)
         p = (s - m).exp_()
         l = p.cumsum(-1)[..., -1:]

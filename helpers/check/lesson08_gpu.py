@@ -208,12 +208,15 @@ def _lo_probe_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, LO, N, Nk, qk_scale,
 
 
 def _lo_probe():
+    import functools
     import types
 
     import triton
     import triton.language as tl
     scope = dict(globals(), tl=tl, triton=triton)
-    return triton.jit(types.FunctionType(_lo_probe_kernel.__code__, scope, _lo_probe_kernel.__name__))
+    fn = types.FunctionType(_lo_probe_kernel.__code__, scope, _lo_probe_kernel.__name__)
+    # keep the annotations: Triton's compiler (not its interpreter) reads tl.constexpr from them
+    return triton.jit(functools.update_wrapper(fn, _lo_probe_kernel, updated=()))
 
 
 def _check_lo(g, inner):
