@@ -798,21 +798,21 @@ def flash_decode_triton(q, k, v, num_splits=None, sm_scale=None, *, config=None)
 # ----------------------------------------------------------------------------
 
 
+# kind -> f(d) -> [(BLOCK_M, BLOCK_N, num_warps, num_stages)]: the kernels that import this module register
+# their configurations here, so this module never imports them back (tests/test_layout.py: no cycles).
+SHAPES = {}
+
+
 def _shapes(kind, d):
     """The launcher's configurations of ``kind`` for head dim d, as dicts (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     if kind == "fwd":
         shapes = _FWD_SHAPES
     elif kind == "decode":
         return [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn, w, s in _DECODE_SHAPES]
-    elif kind in ("dkdv", "dq"):
-        from . import triton_attention_bwd as tb
-        shapes = tb._DKDV_SHAPES if kind == "dkdv" else tb._DQ_SHAPES
-    elif kind == "varlen":
-        from . import triton_varlen as tv
-        bm, rest = tv._VARLEN_SHAPES[tv._d_class(d)]
-        shapes = [(bm, bn, w, s) for bn, w, s in rest]
+    elif kind in SHAPES:          # registered by the backward and varlen modules (they import this one)
+        shapes = SHAPES[kind](d)
     else:
-        raise ValueError(f"unknown kernel kind {kind!r}")
+        raise ValueError(f"unknown kernel kind {kind!r} (is the module that launches it imported?)")
     return [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
 
 

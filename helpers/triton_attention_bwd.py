@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_attention as _ta
 from .triton_attention import HEAD_DIMS, LOG2E, _check_qkv, flash_attn_triton, prune_for_device
 from .triton_mode import interpreting
 
@@ -299,6 +300,7 @@ _PRE_BLOCK_M = 64
 # (bench/NOTES.md, backward v1); dK/dV: 32x64 for d = 64, 64x128 / 128x128 for d = 128
 _DKDV_SHAPES = [(32, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
 _DQ_SHAPES = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
+_ta.SHAPES.update(dkdv=lambda d: _DKDV_SHAPES, dq=lambda d: _DQ_SHAPES)
 
 
 def _configs(shapes):

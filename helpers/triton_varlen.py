@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_attention as _ta
 from .triton_attention import (
     LOG2E,
     TensorDescriptor,
@@ -164,6 +165,14 @@ _VARLEN_SHAPES = {
 
 def _d_class(d):
     return 64 if d <= 64 else d
+
+
+def _varlen_shapes(d):
+    bm, rest = _VARLEN_SHAPES[_d_class(d)]
+    return [(bm, bn, w, s) for bn, w, s in rest]
+
+
+_ta.SHAPES["varlen"] = _varlen_shapes
 
 
 def varlen_block_m(d):
