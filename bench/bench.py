@@ -36,8 +36,9 @@ import triton  # noqa: E402
 from torch.nn.attention import sdpa_kernel  # noqa: E402
 
 from helpers.results import geomean  # noqa: E402
-from helpers.triton_attention import flash_attn_triton, flash_decode_triton  # noqa: E402
-import helpers.triton_attention as ta  # noqa: E402
+from helpers.kernels.decode import flash_decode_triton  # noqa: E402
+from helpers.kernels.forward import flash_attn_triton  # noqa: E402
+from helpers.kernels import decode as kd, forward as kf  # noqa: E402
 
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -97,7 +98,7 @@ def run_prefill(quick, save=None):
             del o, lse
             ms = bench_ms(lambda: flash_attn_triton(q, k, v, causal=causal))
             row["triton_tflops"] = round(flops / ms / 1e9, 1)
-            cfg = getattr(ta._attn_fwd_tuned, "best_config", None)
+            cfg = getattr(kf._attn_fwd_tuned, "best_config", None)
             row["config"] = str(cfg) if cfg is not None else None
         except Exception:
             traceback.print_exc()
@@ -187,7 +188,7 @@ def run_decode(quick, splits_override=None, config=None, save=None):
         k = torch.randn(B, Hkv, Nk, d, device="cuda", dtype=DT[dtype])
         v = torch.randn(B, Hkv, Nk, d, device="cuda", dtype=DT[dtype])
         nbytes = 2 * k.numel() * k.element_size()
-        S = ta._pick_num_splits(B * Hkv, Nk, ta._num_sms(q.device))
+        S = kd._pick_num_splits(B * Hkv, Nk, kd._num_sms(q.device))
         row = {"dtype": dtype, "B": B, "H": H, "Hkv": Hkv, "Nk": Nk, "d": d, "num_splits": S,
                "cache_mib": nbytes / 2 ** 20}
         try:
@@ -195,7 +196,7 @@ def run_decode(quick, splits_override=None, config=None, save=None):
             row.update(check_decode(q, k, v, o))
             ms = bench_ms(lambda: flash_decode_triton(q, k, v, config=config))
             row["triton_gbs"] = round(nbytes / ms / 1e6, 1)
-            row["config"] = str(config or ta._decode_choice.get(ta._decode_key(q, B, Hkv, Nk, S, H // Hkv, 1, d, 0, False)))
+            row["config"] = str(config or kd._decode_choice.get(kd._decode_key(q, B, Hkv, Nk, S, H // Hkv, 1, d, 0, False)))
             # the same call captured in a CUDA graph: no Python launch cost in the timed loop
             row["triton_graph_gbs"] = graph_gbs(lambda: flash_decode_triton(q, k, v, config=config), nbytes)
             if row["triton_graph_gbs"] and row["triton_gbs"]:
@@ -265,7 +266,7 @@ def explore():
         line = {"B": B, "H": H, "Hkv": Hkv, "Nk": Nk}
         ms = sdpa_time(q[:, :, None], k, v, False, "cudnn", enable_gqa=H != Hkv)
         line["cudnn"] = None if ms is None else round(nbytes / ms / 1e6, 1)
-        base = ta._pick_num_splits(B * Hkv, Nk, ta._num_sms(q.device))
+        base = kd._pick_num_splits(B * Hkv, Nk, kd._num_sms(q.device))
         for bn, w, s in dec_cfgs:
             cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": s}
             for S in sorted({max(1, base // 2), base, base * 2, max(1, 132 // (B * Hkv)), max(1, 264 // (B * Hkv))}):

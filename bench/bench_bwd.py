@@ -1,4 +1,4 @@
-"""`make bench`, backward part: the Triton backward of helpers/triton_attention_bwd.py against PyTorch's.
+"""`make bench`, backward part: the Triton backward of helpers/kernels/backward.py against PyTorch's.
 
     python3 bench/bench_bwd.py [--quick] [--sweep] [--out DIR]
 
@@ -36,10 +36,12 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention import sdpa_kernel  # noqa: E402
 
-import helpers.triton_attention_bwd as tb  # noqa: E402
+import helpers.kernels.backward as tb  # noqa: E402
+from helpers import reference  # noqa: E402
 from helpers.results import geomean  # noqa: E402
-from helpers.triton_attention import LOG2E, flash_attn_triton  # noqa: E402
-from helpers.triton_attention_bwd import flash_attention  # noqa: E402
+from helpers.kernels.common import LOG2E  # noqa: E402
+from helpers.kernels.forward import flash_attn_triton  # noqa: E402
+from helpers.kernels.backward import flash_attention  # noqa: E402
 
 import torch._dynamo  # noqa: E402
 import torch._functorch.config  # noqa: E402
@@ -63,7 +65,7 @@ def cases(quick):
 def _warm_one(job):
     """Compile one (kernel, specialisation, config) in a worker process; Triton's disk cache keeps it."""
     kind, dtype, d, causal, atomic, cfg = job
-    import helpers.triton_attention_bwd as tbw
+    import helpers.kernels.backward as tbw
     dt = DT[dtype]
     N = 1024
     q, k, v, do, dk, dv = (torch.empty(1, 1, N, d, device="cuda", dtype=dt) for _ in range(6))
@@ -95,29 +97,19 @@ def precompile(jobs):
 # ----------------------------------------------------------------------------- correctness
 
 
-def ref_grads(q, k, v, do, causal, diag, sm_scale):
-    """float64 autograd (O, dq, dk, dv) for one head q [N, d], k, v [Nk, d]; rows that see nothing: 0."""
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    s = (q @ k.T) * sm_scale  # [N, Nk]
-    N, Nk = s.shape
-    if causal:
-        keep = torch.arange(Nk, device=q.device)[None, :] <= torch.arange(N, device=q.device)[:, None] + diag
-        empty = ~keep.any(-1)
-        s = s.masked_fill(~keep, float("-inf")).masked_fill(empty[:, None], 0.0)
-        p = torch.softmax(s, -1) * (~empty)[:, None]
-    else:
-        p = torch.softmax(s, -1)
-    o = p @ v
-    o.backward(do.double())
-    return o.detach(), q.grad, k.grad, v.grad
+def ref_grads(q, k, v, do, causal, align, sm_scale):
+    """float64 autograd (O, dq, dk, dv) for one head q [N, d], k, v [Nk, d] (``helpers.reference.attention_grads``)."""
+    mask = reference.causal_mask(q.shape[-2], k.shape[-2], align, device=q.device) if causal else None  # [N, Nk]
+    o, _, dq, dk, dv = reference.attention_grads(q, k, v, do, mask=mask, scale=sm_scale)
+    return o, dq, dk, dv
 
 
-def sdpa_grads(q, k, v, do, causal, diag):
-    """SDPA's own gradients in the inputs' dtype (default dispatch; an explicit mask when bottom-right)."""
+def sdpa_grads(q, k, v, do, causal, align):
+    """SDPA's own gradients in the inputs' dtype (default dispatch; an explicit mask when bottom-right differs)."""
     a = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     N, Nk = q.shape[-2], k.shape[-2]
-    if causal and diag != 0:
-        keep = torch.arange(Nk, device=q.device)[None, :] <= torch.arange(N, device=q.device)[:, None] + diag
+    if causal and align == "bottom_right" and N != Nk:
+        keep = reference.causal_mask(N, Nk, align, device=q.device)  # [N, Nk]
         o = F.scaled_dot_product_attention(*a, attn_mask=keep)
     else:
         o = F.scaled_dot_product_attention(*a, is_causal=causal)
@@ -128,15 +120,13 @@ def sdpa_grads(q, k, v, do, causal, diag):
 def check_grads(q, k, v, do, causal, align="top_left"):
     """Gradients of flash_attention vs float64 on the first and last head; SDPA's error as the yardstick."""
     B, H, N, d = q.shape
-    Nk = k.shape[-2]
-    diag = (Nk - N) if (causal and align == "bottom_right") else 0
     a = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     flash_attention(*a, causal=causal, align=align).backward(do)
     mine = [t.grad for t in a]
-    theirs = sdpa_grads(q, k, v, do, causal, diag)
+    theirs = sdpa_grads(q, k, v, do, causal, align)
     out = {}
     for b, h in {(0, 0), (B - 1, H - 1)}:
-        _, *refs = ref_grads(q[b, h], k[b, h], v[b, h], do[b, h], causal, diag, 1 / math.sqrt(d))
+        _, *refs = ref_grads(q[b, h], k[b, h], v[b, h], do[b, h], causal, align, 1 / math.sqrt(d))
         for name, m, t, r in zip(("dq", "dk", "dv"), mine, theirs, refs):
             e_m = (m[b, h].double() - r).abs().max().item()
             e_t = (t[b, h].double() - r).abs().max().item()
@@ -295,7 +285,7 @@ def sweep():
                                 if atomic:
                                     dq32.zero_()
                                 tb._bwd_dkdv[(triton.cdiv(N, bn), B * H)](
-                                    q, k, v, do, lse2, delta, dk, dv, dq32 if atomic else dq, N, N, 0, sc * LOG2E, sc,
+                                    q, k, v, do, lse2, delta, dk, dv, dq32 if atomic else dq, N, N, 0, sc * LOG2E.value, sc,
                                     HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=bn, EVEN=True,
                                     num_warps=w, num_stages=s)
                             go()
@@ -309,7 +299,7 @@ def sweep():
                     try:
                         def go():
                             tb._bwd_dq[(triton.cdiv(N, bm), B * H)](
-                                q, k, v, do, lse2, delta, dq, N, N, 0, sc * LOG2E, sc,
+                                q, k, v, do, lse2, delta, dq, N, N, 0, sc * LOG2E.value, sc,
                                 HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)
                         go()
                         line[tag] = round(bench_ms(go), 4)

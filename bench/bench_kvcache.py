@@ -42,8 +42,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from helpers.triton_kvcache import flash_attn_with_kvcache_triton  # noqa: E402
-import helpers.triton_attention as ta  # noqa: E402
+from helpers.kernels.kvcache import flash_attn_with_kvcache_triton  # noqa: E402
+from helpers.kernels import common as kc, decode as kd  # noqa: E402
 
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -165,7 +165,7 @@ def run_paged(smoke, quick, save=None):
                                                                                  device, smoke))
         for bs in block_sizes:
             capacity = -(-max(lens) // bs) * bs  # max_blocks * block_size: what the split heuristic sees
-            auto = ta._pick_num_splits(B * Hkv, capacity, ta._num_sms(q.device))
+            auto = kd._pick_num_splits(B * Hkv, capacity, kd._num_sms(q.device))
             row = {"dtype": dtype, "B": B, "H": H, "Hkv": Hkv, "d": d, "block_size": bs, "mean_len": mean_len,
                    "lengths": lens, "cache_mib": round(nbytes / 2 ** 20, 1), "num_splits": auto,
                    "contig_pass": contig_ok["pass"], "contig_triton_gbs": contig_gbs, "sdpa_cudnn_gbs": cudnn_gbs}
@@ -216,7 +216,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_kvcache.py needs a CUDA GPU (or --smoke for the CPU)")
-    if args.smoke and not ta.interpreting():
+    if args.smoke and not kc.interpreting():
         sys.exit("--smoke runs under Triton's interpreter: set TRITON_INTERPRET=1 before Triton is imported")
     gpu = "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name()
     out = args.out or results_path(gpu)

@@ -19,7 +19,7 @@ from common import TIMING, bench_ms, check_prefill, log, results_path, run_meta,
 
 import torch  # noqa: E402
 
-from helpers.triton_attention import flash_attn_triton  # noqa: E402
+from helpers.kernels.forward import flash_attn_triton  # noqa: E402
 
 
 def main(argv=None):

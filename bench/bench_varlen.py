@@ -6,7 +6,7 @@ For each length mix (uniform 512-8k, long-tailed: many 128-1k plus a few 8k-16k,
 32k tokens in all, seeded), bf16 and fp16, d = 64 (H = 32) and d = 128 (H = 16), causal and not,
 Hkv = H and, on the uniform mix, Hkv = H / 4, three ways of doing the same attention:
 
-* ``flash_attn_varlen_triton`` on the packed batch (helpers/triton_varlen.py), called with
+* ``flash_attn_varlen_triton`` on the packed batch (helpers/kernels/varlen.py), called with
   validate=False: no host sync, as the FlashAttention library (the default validate=True adds one
   device-to-host copy of cu_seqlens per call);
 * ``flash_attn_triton`` (the dense kernel) on a batch of equal lengths with the same total tokens,
@@ -48,8 +48,8 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from helpers.triton_attention import flash_attn_triton  # noqa: E402
-from helpers.triton_varlen import flash_attn_varlen_triton, varlen_block_m, varlen_block_map  # noqa: E402
+from helpers.kernels.forward import flash_attn_triton  # noqa: E402
+from helpers.kernels.varlen import flash_attn_varlen_triton, varlen_block_m, varlen_block_map  # noqa: E402
 
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # The dense kernel's autotuner chose these on the H200 for N >= 2048 in nearly every row of

@@ -1,4 +1,4 @@
-"""Compile the decode kernel (helpers/triton_attention.py, ``_decode_kernel``) for an H100/H200 (sm_90a) on any
+"""Compile the decode kernel (helpers/kernels/decode.py, ``_decode_kernel``) for an H100/H200 (sm_90a) on any
 machine, GPU or not, and print what the compiler made of each variant: registers, spills, shared memory, the
 atomics and barriers of the in-kernel merge, the asynchronous copies of the pipelined K/V loads.
 
@@ -24,15 +24,15 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler.compiler import ASTSource  # noqa: E402
 
-import helpers.triton_attention as ta  # noqa: E402
+from helpers.kernels import decode as kd  # noqa: E402
 
 RUNTIME_INTS = ("Nk", "stride_kb", "max_blocks", "num_splits")
 
 
 def compile_variant(dtype="fp16", page=0, head_major=False, varlen=True, causal=True, direct=False, block_n=128,
                     nq=1, group=4, num_warps=4, num_stages=3, d=128, hkv=8):
-    fn = ta._decode_kernel
-    block_h, num_rb = ta._decode_rows(group, nq)
+    fn = kd._decode_kernel
+    block_h, num_rb = kd._decode_rows(group, nq)
     ptrs = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "O_part": "fp32", "LSE_part": "fp32",
             "Counter": "i32", "SeqLens": "i32", "BlockTable": "i32"}
     sig = {n: ("*" + ptrs[n]) if n in ptrs else "i32" if n in RUNTIME_INTS else "fp32" if n == "qk_scale"

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 bench/ring_gpu.py --out bench/results/ring_h200x2.json
     python bench/ring_gpu.py --cpu --out /tmp/ring.json          # gloo, 2 CPU processes, tiny N
 
-Per chunk: ``helpers.triton_attention.flash_attn_triton(q, k, v, causal, align="top_left")`` on
+Per chunk: ``helpers.kernels.forward.flash_attn_triton(q, k, v, causal, align="top_left")`` on
 CUDA (it returns the natural-log LSE), a float32 torch fallback on the CPU. The ring is the
 notebook's: K/V passed to rank + 1 with ``dist.batch_isend_irecv``; "overlap" posts the transfer
 before the chunk's attention and waits after it, "no overlap" waits first. Causal uses the
@@ -51,7 +51,7 @@ def _torch_chunk(q, k, v, causal=False):
 
 def chunk_kernel():
     if torch.cuda.is_available():
-        from helpers.triton_attention import flash_attn_triton
+        from helpers.kernels.forward import flash_attn_triton
 
         def triton_chunk(q, k, v, causal=False):
             return flash_attn_triton(q, k, v, causal=causal, align="top_left")

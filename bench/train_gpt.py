@@ -5,7 +5,7 @@
 
 The model is a plain pre-norm decoder (token + position embeddings, ``n_layer`` blocks of causal
 self-attention and a 4x MLP, tied output head), in the spirit of nanoGPT. The only difference between
-the two runs is the attention call: ``helpers.triton_attention_bwd.flash_attention(q, k, v, causal=True)``
+the two runs is the attention call: ``helpers.kernels.backward.flash_attention(q, k, v, causal=True)``
 or ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``. Same seed, same initial weights, same
 batches. Data: the bytes of the course's own text (README, bench notes, the worked notebooks' cells),
 read from this repository; no network. Writes <out>/train_gpt.json (loss per step, validation loss,
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from helpers.triton_attention_bwd import flash_attention  # noqa: E402
+from helpers.kernels.backward import flash_attention  # noqa: E402
 
 GPU_CONFIG = dict(n_layer=6, n_head=12, d_model=768, T=2048, batch=16, steps=300, lr=1e-3, warmup=30, eval_every=50,
                   eval_batches=4)

@@ -12,7 +12,7 @@ Every notebook starts with ``from helpers import check, meter``:
 Importing any ``helpers`` module first decides, once, whether Triton runs natively (a CUDA GPU) or
 under its interpreter (no GPU): ``helpers.triton_mode``. It must happen before anything imports triton,
 and every notebook's first cell imports ``helpers``. Apart from torch (for ``torch.cuda.is_available()``)
-this file imports nothing heavy, so ``helpers.triton_attention`` can be used on a GPU machine that has
+this file imports nothing heavy, so ``helpers.kernels`` can be used on a GPU machine that has
 only torch and triton.
 """
 import importlib

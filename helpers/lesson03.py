@@ -12,11 +12,10 @@ import math
 import torch
 
 from . import meter
+from .reference import LOG2E  # log2(e): exp(x) = exp2(x * log2(e))
 
 __all__ = ["loop_order", "render_loop_orders", "flash_attn_v2_ref", "flash_attn_v2_exp2", "q_block_order", "cost", "sweep_n", "sweep_tiles",
            "plot_v1_v2", "LOG2E"]
-
-LOG2E = 1.0 / math.log(2.0)   # log2(e): exp(x) = exp2(x * log2(e))
 
 
 def q_block_order(N: int, Br: int, seed: int | None = None) -> list[int]:

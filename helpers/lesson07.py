@@ -27,8 +27,7 @@ __all__ = ["LOG2E", "LN2", "reference_bhnd", "reference_decode", "split_bounds",
            "bench_prefill_live", "bench_decode_live", "measure_ceilings", "RESULTS",
            "TritonMissing", "require_triton", "show_recorded_results"]
 
-LOG2E = 1.4426950408889634   # log2(e): exp(x) == exp2(x * LOG2E)
-LN2 = 0.6931471805599453     # ln(2): a base-2 lse times LN2 is the natural-log lse
+LOG2E, LN2 = reference.LOG2E, reference.LN2  # log2(e), ln(2): the kernels work in base 2
 ROOT = Path(__file__).resolve().parent.parent
 
 OFF_BAND, ON_BAND, SKIPPED = 1, 2, 0

@@ -17,7 +17,7 @@ __all__ = ["NO_TRITON", "require_triton", "LOG2E", "reference_grads", "load_resu
            "backward_table", "geomean_ratio", "plot_backward", "plot_training", "training_summary",
            "RESULTS", "TRAINING"]
 
-LOG2E = 1.4426950408889634
+LOG2E = reference.LOG2E  # log2(e): the kernels' scores and lse are in base 2
 
 
 def reference_grads(q, k, v, do, causal=False, sm_scale=None):

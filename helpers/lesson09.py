@@ -88,7 +88,7 @@ def chunk_attention(q, k, v, causal=False):
 
     ``causal=True`` masks top-left aligned (query i sees keys j <= i), which is what a
     chunk pair on the diagonal needs. Rows that see no key: O = 0, lse = -inf. The same
-    contract as ``helpers.triton_attention.flash_attn_triton`` (the per-chunk kernel on GPUs).
+    contract as ``helpers.kernels.forward.flash_attn_triton`` (the per-chunk kernel on GPUs).
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
     acc = torch.promote_types(q.dtype, torch.float32)                   # no copy of a float32/float64 chunk

@@ -7,7 +7,7 @@
   ``long_tailed_lengths``, ``uniform_lengths``, ``few_long_many_short``: seeded length mixes.
 - ``varlen_block_map_ref``: the course's reference for exercise 1, the (sequence, first packed row) of
   each program of a packed (varlen) launch, in the order and with the spare programs of the course's
-  kernel, ``helpers.triton_varlen.varlen_block_map``; ``num_programs``: its grid size.
+  kernel, ``helpers.kernels.varlen.varlen_block_map``; ``num_programs``: its grid size.
 - ``BlockAllocator`` (a free list of cache blocks) and ``PagedKVCache`` (pools ``[num_blocks,
   block_size, Hkv, d]``, ``block_table`` int32 ``[B, max_blocks]``, ``cache_seqlens`` int32 ``[B]``: the
   layout of the library's ``flash_attn_with_kvcache``).
@@ -193,7 +193,7 @@ def num_programs(total_q: int, B: int, BLOCK_M: int) -> int:
 def varlen_block_map_ref(cu_seqlens, BLOCK_M):
     """``(seq_idx, q_start)``, int32 ``[P]``: the (sequence, first packed row) of every program.
 
-    The course's reference, with the contract of ``helpers.triton_varlen.varlen_block_map`` (a test
+    The course's reference, with the contract of ``helpers.kernels.varlen.varlen_block_map`` (a test
     keeps the two equal): sequence b of ``n_b`` tokens has ``cdiv(n_b, BLOCK_M)`` query blocks (none
     when ``n_b = 0``); its block m starts at packed row ``cu_seqlens[b] + m * BLOCK_M``. Entries are
     ordered by m, largest first, ties in sequence order (the longest-running causal blocks start

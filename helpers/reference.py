@@ -14,8 +14,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["softmax_stats", "merge_ml", "lse_from_stats", "causal_mask", "attention", "attention_grads"]
+__all__ = ["LOG2E", "LN2", "softmax_stats", "merge_ml", "lse_from_stats", "causal_mask", "attention", "attention_grads"]
 
+
+LOG2E = 1.0 / math.log(2.0)  # log2(e): exp(x) = exp2(x * LOG2E); the kernels work in base 2
+LN2 = math.log(2.0)  # ln(2): a base-2 log times LN2 is the natural log
 
 def softmax_stats(x: torch.Tensor, dim: int = -1):
     """(m, l) of x along ``dim`` in float64: m = max, l = sum(exp(x - m)); (-inf, 0) when empty."""

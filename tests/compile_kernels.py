@@ -12,7 +12,7 @@ ptxas that ships in Triton's wheel. What the interpreter lets through and the co
 that is not one, a bf16 conversion, a layout) fails here.
 
 Which configurations: on every target, each configuration the launcher would try there
-(``helpers.triton_attention.launch_configs`` prunes the autotune sets by the GPU's shared memory) in fp16 at
+(``helpers.kernels.common.launch_configs`` prunes the autotune sets by the GPU's shared memory) in fp16 at
 d = 128, the fixed ones of the teaching launchers, the kernels defined in the worked notebooks' cells (taken
 from solutions/*.ipynb, as the tests take them) and the checker's probe; on sm_90 also TMA, the other masks
 and layouts and d = 64; on sm_90 and sm_86 bf16. The planted-bug kernels of the tests run only in the maintainers'
@@ -87,22 +87,22 @@ def _torch_dtype(name):
 
 def _configs(kind, d, dtype, cc):
     """The configurations the launcher of ``kind`` would try on a GPU of compute capability ``cc``."""
-    import helpers.triton_attention as ta
+    from helpers.kernels import common as kc, decode as kd, forward as kf
     if os.environ.get("COMPILE_EVERY_CONFIG"):  # what pruning leaves out too: to see what fits where
-        return ta.launch_configs(kind, d, _torch_dtype(dtype))
-    return ta.launch_configs(kind, d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"])
+        return kc.launch_configs(kind, d, _torch_dtype(dtype))
+    return kc.launch_configs(kind, d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"])
 
 
 def _meta(kind, cfg, d, dtype, cc, **kw):
     """What the test checks beyond compiling: the launcher's estimate of the shared memory (an upper bound)."""
-    import helpers.triton_attention as ta
+    from helpers.kernels import common as kc, decode as kd, forward as kf
     elt = 4 if dtype == "fp32" else 2
-    return dict(d=d, estimate=ta.smem_estimate(kind, cfg, d, elt, (cc // 10, cc % 10), **kw))
+    return dict(d=d, estimate=kc.smem_estimate(kind, cfg, d, elt, (cc // 10, cc % 10), **kw))
 
 
 def _use_tma(cc, dtype):
-    import helpers.triton_attention as ta
-    return ta.use_tma_for((cc // 10, cc % 10), _torch_dtype(dtype))
+    from helpers.kernels import common as kc, decode as kd, forward as kf
+    return kc.use_tma_for((cc // 10, cc % 10), _torch_dtype(dtype))
 
 
 def _cfg_label(cfg):
@@ -137,7 +137,7 @@ def _plan(cc, kind, variants):
 
 
 def fwd_jobs(cc, dtypes):
-    import helpers.triton_attention as ta
+    from helpers.kernels import common as kc, decode as kd, forward as kf
     plan = _plan(cc, "fwd", [(True, False), (False, False)])  # (causal, TMA)
     if _use_tma(cc, "fp16"):  # TMA keeps Q and more K/V tiles in shared memory: the largest configuration
         cfgs = _configs("fwd", 128, "fp16", cc)
@@ -145,7 +145,7 @@ def fwd_jobs(cc, dtypes):
     jobs = []
     for dtype, d, cfg, (causal, tma) in plan:
         def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal):
-            fn = ta._attn_fwd
+            fn = kf._attn_fwd
             bn = cfg["BLOCK_N"]
             desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
             sig, const, attrs = signature(
@@ -159,7 +159,7 @@ def fwd_jobs(cc, dtypes):
 
 
 def decode_jobs(cc, dtypes):
-    import helpers.triton_attention as ta
+    from helpers.kernels import common as kc, decode as kd, forward as kf
     # (name, HEAD_MAJOR, PAGE, VARLEN, CAUSAL, DIRECT, group, nq): the kvcache variants and flash_decode_triton
     variants = [("kvcache paged 16", False, 16, True, True, False, 4, 1),
                 ("flash_decode", True, 0, False, False, False, 4, 1),
@@ -169,8 +169,8 @@ def decode_jobs(cc, dtypes):
     for dtype, d, cfg, (name, head_major, page, varlen, causal, direct, group, nq) in _plan(cc, "decode", variants):
         def build(cfg=cfg, d=d, dtype=dtype, head_major=head_major, page=page, varlen=varlen, causal=causal,
                   direct=direct, group=group, nq=nq):
-            fn = ta._decode_kernel
-            block_h, num_rb = ta._decode_rows(group, nq)
+            fn = kd._decode_kernel
+            block_h, num_rb = kd._decode_rows(group, nq)
             ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, O_part="fp32", LSE_part="fp32", Counter="i32",
                         SeqLens="i32", BlockTable="i32")
             sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
@@ -179,12 +179,12 @@ def decode_jobs(cc, dtypes):
                 ints16=("Nk", "max_blocks"))
             return fn, sig, const, attrs, cfg
         jobs.append(Job("decode", f"{dtype} d={d} {name} {_cfg_label(cfg)}", build,
-                        _meta("decode", cfg, d, dtype, cc, block_h=ta._decode_rows(group, nq)[0])))
+                        _meta("decode", cfg, d, dtype, cc, block_h=kd._decode_rows(group, nq)[0])))
     return jobs
 
 
 def bwd_jobs(cc, dtypes):
-    import helpers.triton_attention_bwd as tb
+    import helpers.kernels.backward as tb
     jobs = []
     for dtype in dtypes:
         for d in (64, 128) if cc in VARIANT_TARGETS and dtype == "fp16" else (128,):
@@ -229,7 +229,7 @@ def bwd_jobs(cc, dtypes):
 
 
 def varlen_jobs(cc, dtypes):
-    import helpers.triton_varlen as tv
+    import helpers.kernels.varlen as tv
     plan = _plan(cc, "varlen", [False])  # TMA
     if _use_tma(cc, "fp16"):  # the dense forward's body: its TMA path is compiled in every configuration above
         plan += [("fp16", 128, plan[0][2], True)]
@@ -302,14 +302,14 @@ def _notebook_fwd_config(ns, d):
 
 
 def lesson08_jobs(cc, dtypes):
-    import helpers.triton_attention_bwd as tb
+    import helpers.kernels.backward as tb
     ns = notebook_ns("08_backward_pass")
     jobs = []
     more = cc in VARIANT_TARGETS
     for dtype in dtypes:
         for d in (32, 64) if more and dtype == "fp16" else (32,):  # the checker's largest d (32); 64
             def build(dtype=dtype, d=d):
-                fn = tb._teach_dkdv
+                from helpers.lesson08_dkdv import _teach_dkdv as fn
                 ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK=dtype, DV=dtype)
                 sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
                     INNER=ns["dkdv_inner"], HEAD_DIM=d, BLOCK_M=64, BLOCK_N=64, CAUSAL=True), ints16=("N", "Nk"))

@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers.triton_attention import interpreting  # noqa: E402
+from helpers.triton_mode import interpreting  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and not interpreting()
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -102,17 +102,17 @@ def test_kernel_compiles_and_fits(compiled, cc, kernel):
                             f"{target['smem']} there")
         elif r.get("estimate") is not None and r["shared"] > r["estimate"]:
             problems.append(f"{where} needs {r['shared']} bytes of shared memory, more than the launcher's estimate "
-                            f"{r['estimate']} (helpers.triton_attention.smem_estimate) that prunes configurations")
+                            f"{r['estimate']} (helpers.kernels.common.smem_estimate) that prunes configurations")
     assert not problems, "\n".join(problems)
 
 
 # ------------------------------------------------------------------ the launchers' decisions, per target
-import helpers.triton_attention as ta  # noqa: E402
-import helpers.triton_attention_bwd as tb  # noqa: E402
-import helpers.triton_varlen as tv  # noqa: E402
+from helpers.kernels import common as kc, decode as kd, forward as kf  # noqa: E402
+import helpers.kernels.backward as tb  # noqa: E402
+import helpers.kernels.varlen as tv  # noqa: E402
 
 # kind -> head dim -> (the autotuner, what its launcher passes besides the tensors)
-TUNED = {"fwd": lambda d: (ta._attn_fwd_tuned, {}), "dkdv": lambda d: (tb._bwd_dkdv_tuned, {}),
+TUNED = {"fwd": lambda d: (kf._attn_fwd_tuned, {}), "dkdv": lambda d: (tb._bwd_dkdv_tuned, {}),
          "dq": lambda d: (tb._bwd_dq_tuned, {}),
          "varlen": lambda d: (tv._attn_fwd_varlen_tuned[tv._d_class(d)],
                               {"BLOCK_M": tv._VARLEN_SHAPES[tv._d_class(d)][0]})}
@@ -126,8 +126,9 @@ def _capability(cc):
 def on_gpu(monkeypatch):
     """``on_gpu(cc)``: the launchers see a CUDA GPU of compute capability cc with that target's shared memory."""
     def set_target(cc):
-        monkeypatch.setattr(ta, "interpreting", lambda: False)
-        monkeypatch.setattr(ta, "_device_limits", lambda device: (_capability(cc), TARGETS[cc]["smem"]))
+        for module in (kc, kd, kf):  # each module's launch decisions read its own names
+            monkeypatch.setattr(module, "interpreting", lambda: False)
+            monkeypatch.setattr(module, "_device_limits", lambda device: (_capability(cc), TARGETS[cc]["smem"]))
         return SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float16)  # what the hooks read of q
     return set_target
 
@@ -141,21 +142,21 @@ def test_autotuners_keep_the_configs_that_fit(on_gpu, cc):
     for kind, tuned in TUNED.items():
         for d in (64, 128):
             tuner, fixed = tuned(d)
-            every = [{**fixed, **ta._config_dict(c)} for c in tuner.configs]
+            every = [{**fixed, **kc._config_dict(c)} for c in tuner.configs]
             if cc < 80 and d == 128 and kind in ("dkdv", "dq", "varlen"):  # no configuration fits a T4 there
                 with pytest.raises(ValueError, match=f"no configuration of the {kind} kernel fits .* 64 KB"):
                     tuner.early_config_prune(tuner.configs, {"Q": q}, HEAD_DIM=d, **fixed)
                 continue
-            kept = [{**fixed, **ta._config_dict(c)} for c in tuner.early_config_prune(tuner.configs, {"Q": q},
+            kept = [{**fixed, **kc._config_dict(c)} for c in tuner.early_config_prune(tuner.configs, {"Q": q},
                                                                                      HEAD_DIM=d, **fixed)]
             assert kept, f"{kind}, d={d}: every configuration pruned on sm_{cc}"
-            assert kept == ta.launch_configs(kind, d, torch.float16, _capability(cc), smem)
+            assert kept == kc.launch_configs(kind, d, torch.float16, _capability(cc), smem)
             _check_pruning(kind, d, cc, every, kept)
 
 
 def _check_pruning(kind, d, cc, every, kept):
     smem = TARGETS[cc]["smem"]
-    size = {str(c): ta.smem_estimate(kind, c, d, 2, _capability(cc)) for c in every}
+    size = {str(c): kc.smem_estimate(kind, c, d, 2, _capability(cc)) for c in every}
     if cc == 90:
         assert kept == every, f"{kind}, d={d}: pruned on sm_90 (the H200's sets must stay as measured)"
     elif cc < 80:
@@ -170,38 +171,38 @@ def _check_pruning(kind, d, cc, every, kept):
 def test_decode_tunes_over_the_configs_that_fit(on_gpu, cc):
     q = on_gpu(cc)
     for d in (64, 128):
-        every = ta.launch_configs("decode", d, torch.float16)
-        kept = ta._decode_configs(q, d, 64)
+        every = kc.launch_configs("decode", d, torch.float16)
+        kept = kd._decode_configs(q, d, 64)
         assert kept and all(c in every for c in kept)
         _check_pruning("decode", d, cc, every, kept)
 
 
 def test_no_config_fits_is_a_clear_error():
     with pytest.raises(ValueError, match="no configuration of the fwd kernel fits .* 48 KB .* head dim 256"):
-        ta.fitting_configs("fwd", ta._shapes("fwd", 256), 256, torch.float16, (8, 6), 48 * 1024)
+        kc.fitting_configs("fwd", kc._shapes("fwd", 256), 256, torch.float16, (8, 6), 48 * 1024)
 
 
 @pytest.mark.parametrize("cc", TARGETS, ids=[f"sm_{cc}" for cc in TARGETS])
 def test_tma_only_from_sm90(cc):
     for dtype in (torch.float16, torch.bfloat16):
-        assert ta.use_tma_for(_capability(cc), dtype) == (cc >= 90 and ta.TensorDescriptor is not None)
-    assert not ta.use_tma_for(_capability(cc), torch.float32)
+        assert kc.use_tma_for(_capability(cc), dtype) == (cc >= 90 and kc.TensorDescriptor is not None)
+    assert not kc.use_tma_for(_capability(cc), torch.float32)
 
 
 @pytest.mark.parametrize("cc", TARGETS, ids=[f"sm_{cc}" for cc in TARGETS])
 def test_bf16_refused_where_the_gpu_has_none(cc):
-    ta.check_dtype_for(_capability(cc), torch.float16)
+    kc.check_dtype_for(_capability(cc), torch.float16)
     if TARGETS[cc]["bf16"]:
-        ta.check_dtype_for(_capability(cc), torch.bfloat16)
+        kc.check_dtype_for(_capability(cc), torch.bfloat16)
     else:
         with pytest.raises(ValueError, match=f"bfloat16 needs .* 8.0 .* sm_{cc} .* use torch.float16"):
-            ta.check_dtype_for(_capability(cc), torch.bfloat16)
+            kc.check_dtype_for(_capability(cc), torch.bfloat16)
 
 
 @pytest.mark.parametrize("cc", [cc for cc in TARGETS if cc < 90], ids=[f"sm_{cc}" for cc in TARGETS if cc < 90])
 def test_use_tma_true_before_sm90_is_a_clear_error(on_gpu, cc):
     q = on_gpu(cc)
     with pytest.raises(ValueError, match=f"use_tma=True needs TMA .* sm_{cc}"):
-        ta._check_use_tma(True, q)
-    ta._check_use_tma(False, q)
-    assert not ta._use_tma_default(q)
+        kf._check_use_tma(True, q)
+    kf._check_use_tma(False, q)
+    assert not kf._use_tma_default(q)

@@ -6,8 +6,9 @@ Imports are read with ``ast`` (module level and inside functions alike), never r
   ``triton_mode``, which imports nothing of the course;
 - shared modules (``reference``, ``results``, ``meter``, ``meter_python``, ``checking``, ``ring_launcher``,
   ``widgets``, ``generate``, ``grade``): import only the bottom and each other;
-- kernels (``helpers/triton_*.py``, or the ``helpers/kernels/`` package): nothing from ``check/``, a lesson
-  module or ``checking``;
+- kernels (the ``helpers/kernels/`` package): nothing from ``check/``, a lesson module or ``checking``;
+- the old kernel paths (``helpers/triton_attention.py``, ``_bwd``, ``_varlen``, ``_kvcache``): re-exports kept for
+  notebooks saved before the kernels moved; nothing in the course imports them;
 - lesson modules (``helpers/lessonNN*.py``): no checker; another lesson's module only where it is listed
   in ``LESSON_TO_LESSON`` (a list that may only shrink: a new shared piece goes to a shared module);
 - checkers (``helpers/check/``): never another lesson's checker; a lesson module of their own lesson or an
@@ -28,6 +29,7 @@ HELPERS = ROOT / "helpers"
 BOTTOM = {"helpers", "helpers.triton_mode"}
 SHARED = {f"helpers.{m}" for m in ("reference", "results", "meter", "meter_python", "checking", "ring_launcher",
                                    "widgets", "generate", "grade")}
+COMPAT = {f"helpers.{m}" for m in ("triton_attention", "triton_attention_bwd", "triton_varlen", "triton_kvcache")}
 ABOVE_HELPERS = {"bench", "tests", "conftest", "common"}      # bench/ scripts import bench/common.py as `common`
 # Lessons that import another lesson's module today. Move a shared piece to a shared module instead of adding here.
 LESSON_TO_LESSON = {
@@ -78,8 +80,10 @@ def _kind(mod: str) -> str:
         return "bottom"
     if mod in SHARED:
         return "shared"
-    if mod.startswith("helpers.kernels") or (mod.count(".") == 1 and last.startswith("triton_")):
+    if mod.startswith("helpers.kernels"):
         return "kernel"
+    if mod in COMPAT:
+        return "compat"
     if mod.startswith("helpers.check"):
         return "check"
     if mod.count(".") == 1 and re.fullmatch(r"lesson\d\d\w*", last):
@@ -124,6 +128,24 @@ def test_kernels_import_no_checker_lesson_or_grading():
         bad = {m: line for m, line in _course(mod).items()
                if _kind(m) in ("check", "lesson") or m == "helpers.checking"}
         assert not bad, f"{MODULES[mod].relative_to(ROOT)} imports {bad}: a kernel stands on its own"
+
+
+def test_old_kernel_paths_only_re_export_and_nothing_imports_them():
+    """helpers/triton_*.py (but triton_mode) re-export the kernels' public names for learners' older notebooks;
+    the course itself imports from helpers.kernels (tests/test_kernels_moved.py checks the re-exports)."""
+    assert COMPAT <= set(MODULES)
+    for mod in COMPAT:
+        tree = ast.parse(MODULES[mod].read_text())
+        body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        assert all(isinstance(n, (ast.ImportFrom, ast.Assign)) for n in body), f"{mod} does more than re-export"
+    for mod in MODULES:
+        bad = {m: line for m, line in _course(mod).items() if m in COMPAT}
+        assert not bad, f"{MODULES[mod].relative_to(ROOT)} imports {bad}: import from helpers.kernels"
+    old = re.compile(r"helpers[./](triton_attention|triton_varlen|triton_kvcache)\b")
+    for path in [*ROOT.glob("bench/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("solutions/*.ipynb")]:
+        if path.name not in ("test_layout.py", "test_kernels_moved.py"):
+            hits = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if old.search(line)]
+            assert not hits, f"{path.relative_to(ROOT)} lines {hits} name an old kernel path: use helpers/kernels/"
 
 
 def test_lessons_import_no_checker_and_no_other_lesson():

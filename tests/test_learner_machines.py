@@ -83,7 +83,7 @@ def test_the_hiding_works(hide):
 def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value):
     pytest.importorskip("triton")
     from triton._C.libtriton import getenv_bool      # what Triton itself decides
-    from helpers.triton_attention import interpreting
+    from helpers.triton_mode import interpreting
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert interpreting() == getenv_bool("TRITON_INTERPRET", False), value
 

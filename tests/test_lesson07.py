@@ -7,9 +7,7 @@ swapped into a fresh copy of the notebook's namespace: the outer kernel looks ``
 """
 from __future__ import annotations
 
-import functools
 import math
-import types
 
 import matplotlib
 import pytest
@@ -21,6 +19,7 @@ import triton  # noqa: E402 - after conftest set TRITON_INTERPRET
 import triton.language as tl  # noqa: E402
 
 from helpers import check, lesson07, reference  # noqa: E402
+from helpers.check._common import jit_with_globals  # noqa: E402
 from tests.conftest import notebook_namespace, rejects  # noqa: E402
 
 NB = "07_triton_gpu"
@@ -86,10 +85,7 @@ def planted_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi
 def _with_bug(template, bug):
     """``template`` jitted with its global ``BUG`` bound to ``bug`` (a fresh globals dict: the Triton
     interpreter and compiler both read a kernel's globals, not a closure)."""
-    fn = types.FunctionType(template.__code__, {**template.__globals__, "BUG": tl.constexpr(bug)},
-                            template.__name__, template.__defaults__)
-    # keep the annotations: Triton's compiler (not its interpreter) reads tl.constexpr from them
-    return triton.jit(functools.update_wrapper(fn, template, updated=()))
+    return jit_with_globals(template, BUG=tl.constexpr(bug))
 
 
 def _attn_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, hi, offs_m, offs_n, qk_scale, Nk,

@@ -1,4 +1,4 @@
-"""Correctness of helpers/triton_attention_bwd.py (the backward kernels and ``flash_attention``).
+"""Correctness of helpers/kernels/backward.py (the backward kernels and ``flash_attention``).
 
 Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before Triton is
 imported) on small shapes in fp32 and fp16; on a CUDA machine the same checks run natively in fp16 and
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from kernel_env import DEVICE, DTYPES, ON_GPU  # noqa: E402  (sets TRITON_INTERPRET first)
-from helpers.triton_attention import flash_attn_triton  # noqa: E402
-from helpers.triton_attention_bwd import flash_attention, flash_attn_bwd_triton  # noqa: E402
+from helpers import reference  # noqa: E402
+from helpers.kernels.forward import flash_attn_triton  # noqa: E402
+from helpers.kernels.backward import flash_attention, flash_attn_bwd_triton  # noqa: E402
 
 
 
@@ -29,20 +30,12 @@ def _inputs(B, H, N, Nk, d, dtype, seed, scale=2.0):
     return q, k, v, do
 
 
-def reference_grads(q, k, v, do, causal, diag, sm_scale):
-    """(O, dq, dk, dv) in float64 by autograd; rows with no visible key give O = 0 and no gradient."""
-    q, k, v = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
-    s = (q @ k.transpose(-1, -2)) * sm_scale  # [B, H, N, Nk]
-    N, Nk = s.shape[-2:]
-    keep = torch.ones(N, Nk, dtype=torch.bool)
-    if causal:
-        keep = torch.arange(Nk)[None, :] <= torch.arange(N)[:, None] + diag  # [N, Nk]
-    empty = ~keep.any(-1)  # [N]
-    s = s.masked_fill(~keep, float("-inf")).masked_fill(empty[:, None], 0.0)
-    p = torch.softmax(s, -1) * (~empty)[:, None]  # [B, H, N, Nk]
-    o = p @ v
-    o.backward(do.double().cpu())
-    return o.detach(), q.grad, k.grad, v.grad
+def reference_grads(q, k, v, do, causal, align, sm_scale):
+    """(O, dq, dk, dv) in float64 on the CPU by autograd (``helpers.reference.attention_grads``); a row with no
+    visible key gives O = 0 and no gradient."""
+    mask = reference.causal_mask(q.shape[-2], k.shape[-2], align) if causal else None  # [N, Nk]
+    o, _, dq, dk, dv = reference.attention_grads(*(t.cpu() for t in (q, k, v, do)), mask=mask, scale=sm_scale)
+    return o, dq, dk, dv
 
 
 def _tol(dtype):
@@ -84,8 +77,7 @@ def test_backward_matches_float64_autograd(B, H, N, Nk, d, causal, align, dq_mod
     dq, dk, dv = flash_attn_bwd_triton(do, q, k, v, o, lse, causal=causal, align=align, dq_mode=dq_mode)
     for name, t, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), (q, k, v)):
         assert t.shape == ref.shape and t.dtype == ref.dtype, name
-    diag = (Nk - N) if (causal and align == "bottom_right") else 0
-    _, dq_ref, dk_ref, dv_ref = reference_grads(q, k, v, do, causal, diag, sm_scale)
+    _, dq_ref, dk_ref, dv_ref = reference_grads(q, k, v, do, causal, align, sm_scale)
     _report("dv", dv, dv_ref, _tol(dtype))
     _report("dk", dk, dk_ref, _tol(dtype))
     _report("dq", dq, dq_ref, _tol(dtype))
@@ -98,7 +90,7 @@ def test_autograd_function_low_precision(dtype):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     o = flash_attention(q, k, v, causal=True, sm_scale=0.3)
     o.backward(do)
-    o_ref, dq_ref, dk_ref, dv_ref = reference_grads(q, k, v, do, True, 0, 0.3)
+    o_ref, dq_ref, dk_ref, dv_ref = reference_grads(q, k, v, do, True, "top_left", 0.3)
     _report("O", o.detach(), o_ref, _tol(dtype))
     for name, t, ref in (("dq", q.grad, dq_ref), ("dk", k.grad, dk_ref), ("dv", v.grad, dv_ref)):
         _report(name, t, ref, _tol(dtype))

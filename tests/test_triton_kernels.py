@@ -1,4 +1,4 @@
-"""Correctness of helpers/triton_attention.py.
+"""Correctness of helpers/kernels/forward.py and helpers/kernels/decode.py.
 
 On a machine without CUDA the kernels run under Triton's interpreter
 (TRITON_INTERPRET=1, set below before Triton is imported): small shapes, fp32
@@ -13,11 +13,9 @@ import pytest
 import torch
 
 from kernel_env import DEVICE, DTYPES, ON_GPU  # noqa: E402  (sets TRITON_INTERPRET first)
-from helpers.triton_attention import (  # noqa: E402
-    TensorDescriptor,
-    flash_attn_triton,
-    flash_decode_triton,
-)
+from helpers.kernels.common import TensorDescriptor  # noqa: E402
+from helpers.kernels.decode import flash_decode_triton  # noqa: E402
+from helpers.kernels.forward import flash_attn_triton  # noqa: E402
 
 
 

@@ -1,4 +1,4 @@
-"""Correctness of helpers/triton_kvcache.py (and the one-launch decode it shares with flash_decode_triton).
+"""Correctness of helpers/kernels/kvcache.py (and the one-launch decode it shares with flash_decode_triton).
 
 Without CUDA the kernel runs under Triton's interpreter on the CPU (fp32, fp16, tiny shapes).
 Each sequence's output is compared with float64 SDPA run on that sequence alone, with the
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from kernel_env import DEVICE, DTYPES, ON_GPU, TOL  # noqa: E402  (sets TRITON_INTERPRET first)
-import helpers.triton_attention as ta  # noqa: E402
-from helpers.triton_attention import flash_decode_triton  # noqa: E402
-from helpers.triton_kvcache import flash_attn_with_kvcache_triton  # noqa: E402
+from helpers.kernels import decode as decode_module  # noqa: E402
+from helpers.kernels.decode import flash_decode_triton  # noqa: E402
+from helpers.kernels.kvcache import flash_attn_with_kvcache_triton  # noqa: E402
 
 
 
@@ -126,8 +126,8 @@ def test_paged_equals_contiguous(block_size, block_n, num_splits):
 
 def test_row_blocks_causal(monkeypatch):
     """More query rows (Nq x H/Hkv = 4 x 8) than one program holds: each row block has its own causal band."""
-    monkeypatch.setattr(ta, "_MAX_BLOCK_H", 16)
-    assert ta._decode_rows(8, 4) == (16, 2)
+    monkeypatch.setattr(decode_module, "_MAX_BLOCK_H", 16)
+    assert decode_module._decode_rows(8, 4) == (16, 2)
     lens = (3, 40, 64)
     q, k, v = make_cache(3, 4, 8, 1, 16, 64, DTYPES[0], seed=11)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
@@ -164,14 +164,14 @@ def test_one_launch_and_counters_reset(monkeypatch):
                                        num_splits=4)
         flash_decode_triton(q[:, 0].contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
                             num_splits=4)
-    counting = _CountLaunches(ta._decode_kernel)
-    monkeypatch.setattr(ta, "_decode_kernel", counting)
+    counting = _CountLaunches(decode_module._decode_kernel)
+    monkeypatch.setattr(decode_module, "_decode_kernel", counting)
     lens = (5, 64, 33)
     q, k, v = make_cache(3, 1, 4, 2, 16, 64, DTYPES[0], seed=3)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     o1 = flash_attn_with_kvcache_triton(q, k, v, seqlens, num_splits=4)
     assert counting.launches == 1
-    assert int(ta._workspace[q.device][2].abs().sum()) == 0, "a split counter was left non-zero"
+    assert int(decode_module._workspace[q.device][2].abs().sum()) == 0, "a split counter was left non-zero"
     o2 = flash_attn_with_kvcache_triton(q, k, v, seqlens, num_splits=4)
     assert torch.equal(o1, o2)
     assert_close("O", o2, reference(q, k, v, lens, True), TOL[DTYPES[0]])

@@ -31,7 +31,7 @@ def run(*parts: str, **env_extra) -> str:
 # A course kernel whose body calls Triton's own library (tl.max, tl.sum), checked against float64 SDPA.
 KERNEL_RUNS = """
     import torch
-    from helpers.triton_attention import flash_attn_triton
+    from helpers.kernels.forward import flash_attn_triton
     from helpers import reference
     q, k, v = (torch.randn(1, 2, 33, 16) for _ in range(3))
     o, lse = flash_attn_triton(q, k, v, causal=True)

@@ -1,4 +1,4 @@
-"""Correctness of helpers/triton_varlen.py: packed variable-length attention and its grid map.
+"""Correctness of helpers/kernels/varlen.py: packed variable-length attention and its grid map.
 
 Every sequence of the packed batch is compared with SDPA in float64 run on that sequence alone
 (GQA through enable_gqa, the bottom-right causal mask built explicitly) and with torch.logsumexp for
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from kernel_env import DEVICE, DTYPES, ON_GPU, TOL  # noqa: E402  (sets TRITON_INTERPRET first)
-from helpers.triton_attention import TensorDescriptor  # noqa: E402
-from helpers.triton_varlen import flash_attn_varlen_triton, varlen_block_m, varlen_block_map  # noqa: E402
+from helpers.kernels.common import TensorDescriptor  # noqa: E402
+from helpers.kernels.varlen import flash_attn_varlen_triton, varlen_block_m, varlen_block_map  # noqa: E402
 
 
 

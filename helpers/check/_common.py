@@ -353,3 +353,19 @@ def stubbed(fn):
             raise
     call.__name__ = getattr(fn, "__name__", "fn")
     return call
+
+
+def jit_with_globals(template, **names):
+    """``template`` (a plain function written as a Triton kernel) jitted with ``names`` added to its globals.
+
+    Triton's interpreter and compiler read a kernel's globals, not a closure, so a probe that calls the
+    learner's ``@triton.jit`` function (or a planted bug's switch) gets a fresh globals dict. The annotations
+    are kept (``functools.update_wrapper``): the compiler, unlike the interpreter, reads ``tl.constexpr`` there.
+    Imports Triton: call it only from a checker's function body."""
+    import functools
+    import types
+
+    import triton
+    fn = types.FunctionType(template.__code__, {**template.__globals__, **names}, template.__name__,
+                            template.__defaults__)
+    return triton.jit(functools.update_wrapper(fn, template, updated=()))

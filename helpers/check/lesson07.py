@@ -14,7 +14,7 @@ import torch
 
 from .. import lesson07, reference
 from ..checking import Bug, Case, exercise
-from ._common import device_dtypes as _dtypes, device_randn as _randn, stubbed as _stubbed
+from ._common import device_dtypes as _dtypes, device_randn as _randn, jit_with_globals, stubbed as _stubbed
 
 # torch ops that mean the answer was computed with torch, not in the kernel
 _TORCH_MATH = {"mm", "bmm", "matmul", "addmm", "baddbmm", "_softmax", "softmax", "logsumexp", "exp", "exp2",
@@ -258,14 +258,9 @@ def _probe(inner):
     The rebuilt function keeps the kernel's annotations: Triton reads ``tl.constexpr`` from them when it
     compiles (the interpreter does not), so without them BLOCK_M would reach ``tl.arange`` as a run-time int.
     """
-    import functools
-    import types
-
     import triton
     import triton.language as tl
-    scope = dict(globals(), attn_inner=inner, tl=tl, triton=triton)
-    fn = types.FunctionType(_probe_kernel.__code__, scope, _probe_kernel.__name__, _probe_kernel.__defaults__)
-    return triton.jit(functools.update_wrapper(fn, _probe_kernel, updated=()))
+    return jit_with_globals(_probe_kernel, attn_inner=inner, tl=tl, triton=triton)
 
 
 def _safe_max(g) -> bool:

@@ -1,7 +1,7 @@
 """Checker of lesson 08's GPU exercise: ``dkdv_inner``, the inner loop of the dK/dV kernel in Triton.
 
 The learner's ``@triton.jit`` function is called by the course's launcher
-(``helpers.triton_attention_bwd.dkdv_teaching``: forward, preprocess D = rowsum(dO * O) and the base-2
+(``helpers.lesson08_dkdv.dkdv_teaching``: forward, preprocess D = rowsum(dO * O) and the base-2
 lse, then one program per BLOCK_N keys calling the inner loop over query blocks). Its (dK, dV) are
 compared with float64 autograd (``helpers.lesson08_gpu.reference_grads``). The rule is FlashAttention's
 test rule: error at most twice SDPA's own backward error in the same dtype, plus the rounding of the
@@ -18,7 +18,7 @@ import torch
 
 from .. import lesson07, lesson08_gpu
 from ..checking import Bug, Case, exercise
-from ._common import device_dtypes as _dtypes, device_randn as _randn, stubbed
+from ._common import device_dtypes as _dtypes, device_randn as _randn, jit_with_globals, stubbed
 
 LOG2E = lesson08_gpu.LOG2E
 
@@ -26,7 +26,7 @@ LOG2E = lesson08_gpu.LOG2E
 def _launcher(inner):
     """``f(q, k, v, do, causal=False) -> (dk, dv)`` through the course's kernel; stubs raise NotImplementedError."""
     def run(q, k, v, do, causal=False):
-        from ..triton_attention_bwd import dkdv_teaching
+        from ..lesson08_dkdv import dkdv_teaching
         return dkdv_teaching(q, k, v, do, inner, causal=causal)
     run.__name__ = getattr(inner, "__name__", "dkdv_inner")
     return stubbed(run)
@@ -166,7 +166,7 @@ def _bound(case, dk_ref, dv_ref):
 
 
 def _compare(g, out, case, bugs_dv, bugs_dk):
-    q, k = case.args[0], case.args[1]
+    k = case.args[1]
     dk, dv = g.expect_tuple(out, 2, "(dk, dv)")
     g.expect_tensor(dk, "dk", shape=tuple(k.shape), dtype=k.dtype)
     g.expect_tensor(dv, "dv", shape=tuple(k.shape), dtype=k.dtype)
@@ -208,15 +208,9 @@ def _lo_probe_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, LO, N, Nk, qk_scale,
 
 
 def _lo_probe():
-    import functools
-    import types
-
     import triton
     import triton.language as tl
-    scope = dict(globals(), tl=tl, triton=triton)
-    fn = types.FunctionType(_lo_probe_kernel.__code__, scope, _lo_probe_kernel.__name__)
-    # keep the annotations: Triton's compiler (not its interpreter) reads tl.constexpr from them
-    return triton.jit(functools.update_wrapper(fn, _lo_probe_kernel, updated=()))
+    return jit_with_globals(_lo_probe_kernel, tl=tl, triton=triton)
 
 
 def _check_lo(g, inner):

@@ -1,6 +1,6 @@
 """Checkers of lesson 10, serving: the varlen grid's program map and the paged cache's page lookup.
 
-References: the program map of the course's varlen kernel (``helpers.triton_varlen.varlen_block_map``;
+References: the program map of the course's varlen kernel (``helpers.kernels.varlen.varlen_block_map``;
 ``helpers.lesson10.varlen_block_map_ref`` restates it without Triton, and a test keeps the three equal);
 the checker's own expectation is a plain loop over (sequence, block) with knobs for the bugs. The page lookup
 is checked against the contiguous cache the pool was filled from, never against a lookup; a right answer must

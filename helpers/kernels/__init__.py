@@ -1,0 +1,16 @@
+"""The course's GPU kernels, one module per kernel family (Triton; run by Triton's interpreter without a GPU).
+
+* ``forward``: ``flash_attn_triton`` — the FlashAttention-2 forward, dense, GQA, both causal alignments (lesson 07).
+* ``decode``: ``flash_decode_triton`` — Flash-Decoding, split-KV with the merge in the same launch (lessons 07, 10).
+* ``backward``: ``flash_attention`` (autograd) and ``flash_attn_bwd_triton`` — the FlashAttention-2 backward
+  (lesson 08).
+* ``varlen``: ``flash_attn_varlen_triton`` and its grid map ``varlen_block_map`` — packed variable-length
+  sequences, the library's ``cu_seqlens`` layout (lesson 10).
+* ``kvcache``: ``flash_attn_with_kvcache_triton`` — a contiguous or paged KV cache (lesson 10).
+* ``common``: what they share: ``LOG2E``/``LN2``, the input checks, the tile configurations and what fits a GPU.
+
+Import from the family's module (``from helpers.kernels.forward import flash_attn_triton``); this file imports
+nothing, so importing one family compiles nothing of the others. Lessons' teaching kernels live with their
+lessons (``helpers/lesson08_dkdv.py``); ``helpers/triton_*.py`` re-export the public names for notebooks
+saved before the kernels moved here.
+"""

@@ -1,0 +1,432 @@
+"""FlashAttention backward in Triton, and ``flash_attention``: an autograd Function over the course's kernels.
+
+Public:
+
+* ``flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left") -> (dq, dk, dv)``
+* ``flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left") -> O``: differentiable;
+  forward = ``helpers.kernels.forward.flash_attn_triton`` (which also returns the lse the backward needs),
+  backward = the kernels below.
+
+The algorithm (Dao, "FlashAttention-2", 2023, Algorithm 2), per (batch, head), with S = q k^T * sm_scale,
+P = softmax(S) recomputed from the saved natural-log ``lse`` (P = exp(S - lse)), never stored:
+
+    D   = rowsum(dO * O)                 [N]      preprocess kernel (one pass over O and dO)
+    dV  = P^T dO                         [Nk, d]  \\
+    dP  = dO V^T                         [N, Nk]   |  dK/dV kernel: one program owns BLOCK_N keys,
+    dS  = P * (dP - D[:, None])          [N, Nk]   |  keeps dK, dV in registers and streams the
+    dK  = dS^T q * sm_scale              [Nk, d]  /   query blocks past them (KV outer)
+    dQ  = dS k * sm_scale                [N, d]   a separate dQ kernel (Q outer, like the forward), or
+                                                  atomic adds from the dK/dV kernel (``dq_mode``)
+
+Every exponential is one ``exp2``: ``qk_scale = sm_scale * log2(e)`` and the preprocess turns the lse into
+base 2 (``lse2 = lse * log2(e)``, +inf for a row that saw no key so that its P is exp2(-inf) = 0).
+Causal tiles use the forward's three classes: tiles every (query, key) pair of which is visible run in a
+loop without a mask, tiles on the diagonal band or on a ragged edge (N or Nk not a multiple of the block)
+in a loop with one, and tiles nobody sees are never visited. Both alignments of the forward are supported
+(row i sees key j when j <= i + diag; diag = 0 top-left, Nk - N bottom-right).
+
+``dq_mode="separate"`` is deterministic (every dQ element is written once by one program);
+``dq_mode="atomic"`` adds fp32 partials from many programs in whatever order they finish, so dQ can
+differ in the last bits from run to run. Default: ``DEFAULT_DQ_MODE`` (set from the H200 measurements
+in bench/NOTES.md).
+
+Runs on a CUDA GPU (fp16, bf16; fp32 with tf32 dots) or with ``TRITON_INTERPRET=1`` on the CPU (fp32,
+fp16; one small fixed tile configuration). Written for this course; numbers in bench/NOTES.md.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_mode import interpreting
+from .common import HEAD_DIMS, LOG2E, SHAPES, _check_qkv, prune_for_device, tile_configs
+from .forward import flash_attn_triton
+
+__all__ = ["flash_attention", "flash_attn_bwd_triton", "FlashAttentionFunction", "DEFAULT_DQ_MODE"]
+
+DEFAULT_DQ_MODE = "separate"
+BWD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d <= 128)  # no d = 256: the backward is neither tuned nor compiled for it
+
+
+# ----------------------------------------------------------------------------
+# Preprocess: D = rowsum(dO * O) and the lse in base 2
+# ----------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["N"])
+def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    # grid = (cdiv(N, BLOCK_M), B * H); all tensors contiguous: O, DO [B*H, N, D]; LSE, DELTA, LSE2 [B*H, N]
+    off_bh = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    ok = rows < N
+    ptrs = off_bh * N * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_M, D]
+    o = tl.load(O + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)  # [BLOCK_M]
+    lse = tl.load(LSE + off_bh * N + rows, mask=ok, other=0.0)  # [BLOCK_M] natural log
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # base 2; +inf: P = 0
+    tl.store(DELTA + off_bh * N + rows, delta, mask=ok)
+    tl.store(LSE2 + off_bh * N + rows, lse2, mask=ok)
+
+
+# ----------------------------------------------------------------------------
+# dK, dV (and dQ by atomics): KV blocks outer, query blocks inner
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v,  # [BLOCK_N, D] fp32 accumulators; this program's keys and values
+    Q, DO, LSE2, DELTA, DQ,  # this head's base pointers: Q, DO, DQ [N, D]; LSE2, DELTA [N]
+    lo, hi,  # query rows [lo, hi) to visit, lo a multiple of BLOCK_M
+    offs_n, N, Nk, diag, qk_scale, sm_scale,  # offs_n [BLOCK_N]: this program's key indices
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every (row, key) pair visible, rows < N; True: band / ragged edges
+    CAUSAL: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_M, D]
+        if MASKED:
+            row_ok = rows < N
+            q = tl.load(Q + ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+            do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+            lse2 = tl.load(LSE2 + rows, mask=row_ok, other=float("inf"))  # [BLOCK_M]; padding: P = 0
+            delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
+        else:
+            q = tl.load(Q + ptrs)
+            do = tl.load(DO + ptrs)
+            lse2 = tl.load(LSE2 + rows)
+            delta = tl.load(DELTA + rows)
+        # P^T recomputed from the saved lse: one exp2 per score
+        qkT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
+        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        if MASKED:
+            keep = offs_n[:, None] < Nk  # [BLOCK_N, 1] the ragged key tail
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= rows[None, :] + diag)  # [BLOCK_N, BLOCK_M]
+            pT = tl.where(keep, pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv)  # [BLOCK_N, D] += P^T dO
+        dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M] = (dO V^T)^T
+        dsT = pT * (dpT - delta[None, :])  # [BLOCK_N, BLOCK_M]
+        dk = tl.dot(dsT.to(q.dtype), q, dk)  # [BLOCK_N, D] += dS^T q
+        if DQ_ATOMIC:
+            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * sm_scale  # [BLOCK_M, D]
+            if MASKED:
+                tl.atomic_add(DQ + ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(DQ + ptrs, dq, sem="relaxed")
+    return dk, dv
+
+
+# EVEN: N a multiple of BLOCK_M and Nk of BLOCK_N, known when the kernel is compiled, so the loops for
+# ragged edges are not in the code at all (not just empty at run time). N and Nk are specialised on
+# (Triton records whether each is divisible by 16): on an H200 that made the dK/dV kernel 11-14% faster
+# than leaving them unspecialised (bench/NOTES.md, backward v3); diag is not.
+def _even(args):
+    return args["N"] % args["BLOCK_M"] == 0 and args["Nk"] % args["BLOCK_N"] == 0
+
+
+@triton.jit(do_not_specialize=["diag"])
+def _bwd_dkdv(
+    Q, K, V, DO, LSE2, DELTA, DK, DV, DQ,  # all contiguous [B*H, rows, D] / [B*H, N]; DQ fp32 if atomic
+    N, Nk, diag, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    EVEN: tl.constexpr,  # _even(): no ragged query or key block
+):
+    # grid = (cdiv(Nk, BLOCK_N), B * H); with causal top-left the first key blocks are seen by the most
+    # rows, so program 0 (launched first) is the heaviest
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bh = tl.program_id(1).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key indices
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    q_base = Q + off_bh * N * HEAD_DIM
+    do_base = DO + off_bh * N * HEAD_DIM
+    dq_base = DQ + off_bh * N * HEAD_DIM
+    kv_ptrs = off_bh * Nk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
+    key_ok = offs_n < Nk
+    k = tl.load(K + kv_ptrs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+    v = tl.load(V + kv_ptrs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Row classes for this key block. Row i sees key j when j <= i + diag (causal).
+    # Masked: rows [m_lo, off_lo) (the band) and [off_hi, N) (the ragged row tail);
+    # no mask: [off_lo, off_hi), whole query blocks that see every key of a whole key block.
+    # Rows < m_lo see none of these keys: never visited.
+    N_full = (N // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        m_lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M  # block of the first row that sees key start_n
+        r_all = tl.maximum(start_n + BLOCK_N - 1 - diag, 0)  # rows >= this see every key of the block
+        m_mid = ((r_all + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_mid = 0
+    m_lo = tl.minimum(m_lo, N_full + BLOCK_M)
+    if start_n + BLOCK_N <= Nk:
+        off_lo = tl.minimum(tl.maximum(m_mid, m_lo), N_full)
+        off_hi = tl.maximum(N_full, off_lo)
+    else:  # the ragged last key block: every tile masked
+        off_lo = tl.minimum(m_lo, N_full)
+        off_hi = off_lo
+    tail_lo = tl.maximum(off_hi, m_lo)
+
+    if CAUSAL or not EVEN:  # not causal and even: the band is empty, so the loop is left out
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE2 + off_bh * N, DELTA + off_bh * N, dq_base,
+                                 m_lo, off_lo, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                 HEAD_DIM, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE2 + off_bh * N, DELTA + off_bh * N, dq_base,
+                             off_lo, off_hi, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                             HEAD_DIM, BLOCK_M, False, CAUSAL, DQ_ATOMIC)
+    if not EVEN:  # the ragged row tail
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE2 + off_bh * N, DELTA + off_bh * N, dq_base,
+                                 tail_lo, N, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                 HEAD_DIM, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+
+    dk = dk * sm_scale  # dS was taken w.r.t. S = q k^T * sm_scale
+    tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+# ----------------------------------------------------------------------------
+# dQ: query blocks outer, key blocks inner (the forward's loop and tile classes)
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse2, delta,  # dq [BLOCK_M, D] fp32; q, do [BLOCK_M, D]; lse2, delta [BLOCK_M]
+    K, V,  # this head's [Nk, D]
+    lo, hi, offs_m, Nk, diag, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        ptrs = cols[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
+        if MASKED:
+            k = tl.load(K + ptrs, mask=cols[:, None] < Nk, other=0.0)  # [BLOCK_N, D]
+            v = tl.load(V + ptrs, mask=cols[:, None] < Nk, other=0.0)  # [BLOCK_N, D]
+        else:
+            k = tl.load(K + ptrs)
+            v = tl.load(V + ptrs)
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            keep = cols[None, :] < Nk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
+        ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
+        dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, D] += dS k
+    return dq
+
+
+@triton.jit(do_not_specialize=["diag"])
+def _bwd_dq(
+    Q, K, V, DO, LSE2, DELTA, DQ,
+    N, Nk, diag, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN: tl.constexpr,  # _even(): no ragged query or key block
+):
+    # grid = (cdiv(N, BLOCK_M), B * H); causal blocks run heaviest (last) first
+    if CAUSAL:
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        start_m = tl.program_id(0)
+    off_bh = tl.program_id(1).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N
+    ptrs = off_bh * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_M, D]
+    q = tl.load(Q + ptrs, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(LSE2 + off_bh * N + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + off_bh * N + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    k_base = K + off_bh * Nk * HEAD_DIM
+    v_base = V + off_bh * Nk * HEAD_DIM
+    if CAUSAL:  # as in the forward: [0, band_lo) no mask, [band_lo, band_hi) masked, the rest never visited
+        first_row_end = tl.minimum(tl.maximum(start_m * BLOCK_M + diag + 1, 0), Nk)
+        band_lo = (first_row_end // BLOCK_N) * BLOCK_N
+        band_hi = tl.minimum(tl.maximum(start_m * BLOCK_M + BLOCK_M + diag, 0), Nk)
+    else:
+        band_lo = (Nk // BLOCK_N) * BLOCK_N
+        band_hi = Nk
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, 0, band_lo, offs_m, Nk, diag, qk_scale,
+                       HEAD_DIM, BLOCK_N, False, CAUSAL)
+    if CAUSAL or not EVEN:  # not causal and even: nothing is masked, the loop is left out
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, band_lo, band_hi, offs_m, Nk, diag, qk_scale,
+                           HEAD_DIM, BLOCK_N, True, CAUSAL)
+    dq = dq * sm_scale
+    tl.store(DQ + ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _cast_rows(SRC, DST, numel, BLOCK: tl.constexpr):
+    """DST = SRC cast to DST's dtype (the fp32 atomic dQ accumulator to q's dtype)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    tl.store(DST + offs, tl.load(SRC + offs, mask=ok).to(DST.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------
+# Configurations and wrapper
+# ----------------------------------------------------------------------------
+
+_INTERPRETER_BWD_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+_PRE_BLOCK_M = 64
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner: the winners of the H200 sweep
+# (bench/NOTES.md, backward v1); dK/dV: 32x64 for d = 64, 64x128 / 128x128 for d = 128
+_DKDV_SHAPES = [(32, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
+_DQ_SHAPES = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
+SHAPES.update(dkdv=lambda d: tile_configs(_DKDV_SHAPES), dq=lambda d: tile_configs(_DQ_SHAPES))
+
+
+def _configs(shapes):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+
+
+def _prune(kind):  # triton.autotune's early_config_prune: the configurations that fit this GPU
+    return {"early_config_prune": lambda configs, nargs, **kw: prune_for_device(kind, configs, nargs, kw)}
+
+
+_bwd_dkdv_tuned = triton.autotune(configs=_configs(_DKDV_SHAPES), key=["N", "Nk", "HEAD_DIM", "CAUSAL", "DQ_ATOMIC"],
+                                  reset_to_zero=["DQ"], prune_configs_by=_prune("dkdv"))(
+    triton.heuristics({"EVEN": _even})(_bwd_dkdv))
+_bwd_dq_tuned = triton.autotune(configs=_configs(_DQ_SHAPES), key=["N", "Nk", "HEAD_DIM", "CAUSAL"],
+                                prune_configs_by=_prune("dq"))(triton.heuristics({"EVEN": _even})(_bwd_dq))
+
+
+def _check_inputs(q, k, v, causal, align):
+    _check_qkv(q, k, v, (4, 4, 4))
+    B, H, N, d = q.shape
+    if k.shape[0] == B and k.shape[3] == d and k.shape[1] != H:
+        raise ValueError(f"the backward has no grouped-query attention: q has H = {H} heads, k has {k.shape[1]}; "
+                         f"repeat k and v to H heads first (k.repeat_interleave(H // Hkv, dim=1)) to train through it")
+    if tuple(k.shape[:2]) != (B, H) or k.shape[3] != d:
+        raise ValueError(f"k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}], got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if d not in BWD_HEAD_DIMS:
+        raise ValueError(f"head dimension d must be one of {', '.join(map(str, BWD_HEAD_DIMS))} for the backward; "
+                         f"got {d}")
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    return B, H, N, k.shape[2], d
+
+
+def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left", *,
+                          dq_mode=None, config=None):
+    """Gradients ``(dq, dk, dv)`` of O = attention(q, k, v) for the upstream gradient ``do``.
+
+    q, o, do: [B, H, N, d]; k, v: [B, H, Nk, d]; lse: [B, H, N] float32 natural log, as returned by
+    ``flash_attn_triton`` (-inf for a row that saw no key: its gradients are 0). ``causal``, ``align``,
+    ``sm_scale`` as in the forward. ``dq_mode``: "separate" (a dQ kernel; deterministic) or "atomic"
+    (fp32 atomic adds from the dK/dV kernel); None = DEFAULT_DQ_MODE. ``config``: None autotunes;
+    a dict {"dkdv": {BLOCK_M, BLOCK_N, num_warps, num_stages}, "dq": {...}} fixes the tiles.
+    """
+    B, H, N, Nk, d = _check_inputs(q, k, v, causal, align)
+    for name, x, shape in (("o", o, q.shape), ("do", do, q.shape)):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must be a tensor of q's shape {tuple(shape)}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (B, H, N) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be a float32 tensor of shape {(B, H, N)} (the forward's second output)")
+    dq_mode = DEFAULT_DQ_MODE if dq_mode is None else dq_mode
+    if dq_mode not in ("separate", "atomic"):
+        raise ValueError(f"dq_mode must be 'separate' or 'atomic', got {dq_mode!r}")
+    do = do.to(q.dtype).contiguous()
+    o = o.contiguous()
+    lse = lse.contiguous()
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    sm_scale = float(sm_scale)
+    qk_scale = sm_scale * LOG2E.value
+    diag = (Nk - N) if (causal and align == "bottom_right") else 0
+
+    delta = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N] rowsum(dO * O)
+    lse2 = torch.empty_like(delta)  # [B, H, N] lse in base 2, +inf on empty rows
+    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d,
+                                                           BLOCK_M=_PRE_BLOCK_M)
+    dk = torch.empty_like(k)  # [B, H, Nk, d]
+    dv = torch.empty_like(v)  # [B, H, Nk, d]
+    atomic = dq_mode == "atomic"
+    if atomic:
+        dq_acc = torch.zeros((B, H, N, d), device=q.device, dtype=torch.float32)  # [B, H, N, d] fp32 sums
+    else:
+        dq_acc = dq = torch.empty_like(q)  # [B, H, N, d]
+    args = (q, k, v, do, lse2, delta, dk, dv, dq_acc, N, Nk, diag, qk_scale, sm_scale)
+    meta = dict(HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic)
+    if config is None and interpreting():
+        config = {"dkdv": _INTERPRETER_BWD_CONFIG, "dq": _INTERPRETER_BWD_CONFIG}
+    if config is not None:
+        cfg = config["dkdv"]
+        _bwd_dkdv[(triton.cdiv(Nk, cfg["BLOCK_N"]), B * H)](*args, **meta, **cfg, EVEN=_even(dict(N=N, Nk=Nk, **cfg)))
+    else:
+        _bwd_dkdv_tuned[lambda m: (triton.cdiv(Nk, m["BLOCK_N"]), B * H)](*args, **meta)
+    if atomic:
+        dq = torch.empty_like(q)
+        n = dq.numel()
+        _cast_rows[(triton.cdiv(n, 1024),)](dq_acc, dq, n, BLOCK=1024)
+    else:
+        dq_args = (q, k, v, do, lse2, delta, dq, N, Nk, diag, qk_scale, sm_scale)
+        if config is not None:
+            cfg = config["dq"]
+            _bwd_dq[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](*dq_args, HEAD_DIM=d, CAUSAL=causal, **cfg,
+                                                             EVEN=_even(dict(N=N, Nk=Nk, **cfg)))
+        else:
+            _bwd_dq_tuned[lambda m: (triton.cdiv(N, m["BLOCK_M"]), B * H)](*dq_args, HEAD_DIM=d, CAUSAL=causal)
+    return dq, dk, dv
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """O = softmax(q k^T * sm_scale [+ causal mask]) v with the course's Triton forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, align, dq_mode):
+        o, lse = flash_attn_triton(q, k, v, causal=causal, sm_scale=sm_scale, align=align)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, sm_scale, align, dq_mode)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        causal, sm_scale, align, dq_mode = ctx.args
+        dq, dk, dv = flash_attn_bwd_triton(do, q, k, v, o, lse, causal, sm_scale, align, dq_mode=dq_mode)
+        return dq, dk, dv, None, None, None, None
+
+
+def flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left", *, dq_mode=None):
+    """Differentiable attention: q [B, H, N, d], k, v [B, H, Nk, d] -> O [B, H, N, d] (q's dtype).
+
+    The drop-in for ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)``
+    (``align="top_left"`` is SDPA's causal mask; "bottom_right" is the FlashAttention library's).
+    fp16/bf16 (and fp32) on a CUDA GPU; fp32/fp16 on the CPU under TRITON_INTERPRET=1. d in 16..128.
+    """
+    _check_inputs(q, k, v, causal, align)
+    return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, align, dq_mode)

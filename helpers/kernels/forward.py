@@ -1,0 +1,300 @@
+"""The FlashAttention-2 forward in Triton (lesson 07): ``flash_attn_triton(q, k, v, causal=False, sm_scale=None,
+align="top_left") -> (O, lse)``.
+
+k, v may have fewer heads than q (grouped-query attention). One program owns BLOCK_M query rows of one
+(batch, head), keeps them in registers and streams the keys and values past them BLOCK_N at a time, with the
+online softmax (``m_i``, ``l_i``, ``acc``, ``alpha``) in base 2: ``log2(e)`` is folded into ``qk_scale`` so every
+exponential is one ``exp2``. Key tiles fall into three classes: tiles every row of the block sees in full (the
+off-band loop, no mask), tiles that need a mask (the causal diagonal band and the ragged last tile: the on-band
+loop) and tiles no row sees (never visited). The block body ``_attn_fwd_rows`` is shared with the packed
+variable-length forward (``helpers/kernels/varlen.py``).
+
+References: Dao, "FlashAttention-2" (2023), Algorithm 1; the fused-attention tutorial of Triton. Written for
+this course; numbers in bench/NOTES.md.
+
+Runs on a CUDA GPU (fp16, bf16; fp32 with tf32 dots) or, without one (``helpers.triton_mode`` sets
+``TRITON_INTERPRET=1`` before Triton is imported), on the CPU through Triton's interpreter (fp32, fp16; one
+small fixed tile configuration so tests stay fast).
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_mode import interpreting
+from .common import (LN2, LOG2E, SHAPES, TensorDescriptor, _check_dense_kv, _check_qkv, _device_limits,
+                     prune_for_device, tile_configs, use_tma_for)
+
+__all__ = ["flash_attn_triton"]
+
+
+# ----------------------------------------------------------------------------
+# Forward (prefill): the inner loop, on its own
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc, l_i, m_i, q,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M]; q [BLOCK_M, D]
+    k_ptrs, v_ptrs, stride_kn, stride_vn,  # pointer path: tile of key/value rows at start_n = 0
+    desc_k, desc_v, kv_row0, kv_col0,  # TMA path: 2-D descriptors; this head's keys start at (kv_row0, kv_col0)
+    lo, hi,  # key range [lo, hi) to visit, lo a multiple of BLOCK_N
+    offs_m, offs_n, qk_scale, Nk, diag,  # diag: row i sees keys j <= i + diag (causal)
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: off-band tiles, all visible; True: the band / ragged tail
+    CAUSAL: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        # -- load one tile of keys and values --------------------------------
+        if USE_TMA:
+            k = desc_k.load([kv_row0 + start_n, kv_col0])  # [BLOCK_N, D]
+            v = desc_v.load([kv_row0 + start_n, kv_col0])  # [BLOCK_N, D]
+            if MASKED:  # rows past Nk belong to the next head or sequence: their scores are masked, and
+                # zeroing their values keeps a NaN or inf there out of this one (p = 0 times NaN is NaN)
+                v = tl.where((start_n + offs_n)[:, None] < Nk, v, 0.0)
+        elif MASKED:
+            in_range = (start_n + offs_n)[:, None] < Nk  # [BLOCK_N, 1]
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=in_range, other=0.0)  # [BLOCK_N, D]
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=in_range, other=0.0)  # [BLOCK_N, D]
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn)  # [BLOCK_N, D]
+            v = tl.load(v_ptrs + start_n * stride_vn)  # [BLOCK_N, D]
+        # -- scores, in base-2 units -----------------------------------------
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            cols = start_n + offs_n  # [BLOCK_N]
+            keep = cols[None, :] < Nk  # [1, BLOCK_N]
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)  # [BLOCK_M, BLOCK_N]
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
+            # a row that has seen no key yet keeps m = -inf: subtract 0 instead (no NaN)
+            m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = tl.math.exp2(qk - m_ij[:, None])  # [BLOCK_M, BLOCK_N]
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_M]
+            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])  # [BLOCK_M, BLOCK_N]
+        # -- online softmax: rescale what we had, add this tile ---------------
+        alpha = tl.math.exp2(m_i - m_ij)  # [BLOCK_M]
+        l_i = l_i * alpha + tl.sum(p, 1)  # [BLOCK_M]
+        acc = acc * alpha[:, None]  # [BLOCK_M, D]
+        acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, D]
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_rows(
+    q,  # [BLOCK_M, D] this block's query rows (zeros past the last row)
+    k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,  # as in _attn_fwd_inner
+    start_m, offs_m, offs_n, qk_scale, Nk, diag,  # start_m: block index; offs_m: rows from 0 of the sequence
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """One block of query rows against keys [0, Nk): returns (O [BLOCK_M, D] float32, lse [BLOCK_M] natural log).
+
+    Shared by the dense forward and the packed variable-length one (helpers/kernels/varlen.py): the caller
+    finds the rows and the keys, this visits the key tiles in their classes and normalises.
+    """
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, base 2
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running numerator
+
+    # Tile classes. Off-band: keys [0, band_lo) are seen in full by every row.
+    # On-band: keys [band_lo, band_hi) need a mask (diagonal, ragged tail).
+    # Keys >= band_hi are seen by no row of this block: never visited.
+    if CAUSAL:
+        first_row_end = tl.minimum(tl.maximum(start_m * BLOCK_M + diag + 1, 0), Nk)  # keys < this: all rows
+        band_lo = (first_row_end // BLOCK_N) * BLOCK_N
+        band_hi = tl.minimum(tl.maximum(start_m * BLOCK_M + BLOCK_M + diag, 0), Nk)
+    else:
+        band_lo = (Nk // BLOCK_N) * BLOCK_N
+        band_hi = Nk
+
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,
+        0, band_lo, offs_m, offs_n, qk_scale, Nk, diag,
+        BLOCK_N, False, CAUSAL, USE_TMA,
+    )
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,
+        band_lo, band_hi, offs_m, offs_n, qk_scale, Nk, diag,
+        BLOCK_N, True, CAUSAL, USE_TMA,
+    )
+
+    # epilogue: normalise; a row that saw no key gets O = 0, lse = -inf
+    empty = l_i == 0.0  # [BLOCK_M]
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc / l_safe[:, None]  # [BLOCK_M, D]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)  # [BLOCK_M] natural log
+    return acc, lse
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE,
+    desc_k, desc_v,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    H, Hkv, N, Nk, diag, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    # grid = (cdiv(N, BLOCK_M), B * H); causal blocks run heaviest (last) first
+    if CAUSAL:
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_hkv = off_h // (H // Hkv)  # grouped-query attention: H // Hkv query heads share a KV head
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N] key rows within a tile
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+    o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D]
+    kv_row0 = (off_b * Hkv + off_hkv) * Nk  # first row of this KV head in the [B*Hkv*Nk, D] view
+
+    row_ok = offs_m < N  # [BLOCK_M] the last block may run past N
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+
+    acc, lse = _attn_fwd_rows(
+        q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, 0,
+        start_m, offs_m, offs_n, qk_scale, Nk, diag,
+        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA,
+    )
+    tl.store(LSE + off_bh.to(tl.int64) * N + offs_m, lse, mask=row_ok)
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------
+# Forward: configurations and wrapper
+# ----------------------------------------------------------------------------
+
+_INTERPRETER_FWD_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): a small set around what won on an H200
+_FWD_SHAPES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3)]
+
+
+def _fwd_configs():
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_kv_block_shape)
+        for bm, bn, w, s in _FWD_SHAPES
+    ]
+
+
+SHAPES["fwd"] = lambda d: tile_configs(_FWD_SHAPES)
+
+
+def _set_kv_block_shape(nargs):
+    for name in ("desc_k", "desc_v"):
+        desc = nargs.get(name)
+        if desc is not None:
+            desc.block_shape = [nargs["BLOCK_N"], nargs["HEAD_DIM"]]
+
+
+_attn_fwd_tuned = triton.autotune(
+    configs=_fwd_configs(),
+    key=["N", "Nk", "HEAD_DIM", "CAUSAL", "USE_TMA"],
+    prune_configs_by={"early_config_prune": lambda configs, nargs, **kw: prune_for_device("fwd", configs, nargs, kw)},
+)(_attn_fwd)
+
+
+def _use_tma_default(q):
+    if interpreting() or q.device.type != "cuda":
+        return False
+    return use_tma_for(_device_limits(q.device)[0], q.dtype)
+
+
+def _check_use_tma(use_tma, q):
+    """An explicit use_tma=True on a GPU without TMA (before sm_90): a clear error, not a compile error."""
+    if use_tma and not interpreting() and q.device.type == "cuda":
+        cap = _device_limits(q.device)[0]
+        if not use_tma_for(cap, q.dtype):
+            raise ValueError(f"use_tma=True needs TMA (compute capability 9.0 or newer, fp16 or bf16); this is "
+                             f"sm_{cap[0]}{cap[1]} with {str(q.dtype).replace('torch.', '')}: leave use_tma=None")
+
+
+def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *, use_tma=None, config=None):
+    """Attention forward: returns ``(O, lse)``.
+
+    q: [B, H, N, d]; k, v: [B, Hkv, Nk, d] (Nk may differ from N; H a multiple of
+    Hkv: grouped-query attention, query head h reads KV head h // (H // Hkv)). fp16 or bf16 on
+    a GPU (fp32 too, with tf32 dot products); fp32 or fp16 under the interpreter.
+    O: [B, H, N, d] in q's dtype; lse: [B, H, N] float32, natural log of each
+    row's softmax denominator (with the scale applied), -inf for a row that sees
+    no key (its O is 0).
+
+    causal: query row i sees key j when j <= i + diag, where diag = 0 for
+    ``align="top_left"`` (SDPA ``is_causal=True``) and diag = Nk - N for
+    ``align="bottom_right"`` (the FlashAttention library: the last query sees
+    every key). The two agree when N == Nk. With bottom_right and N > Nk the
+    first N - Nk rows see nothing: O = 0, lse = -inf.
+
+    sm_scale: defaults to 1/sqrt(d). ``use_tma`` and ``config`` (a dict with
+    BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; leave them
+    as None to autotune.
+    """
+    _check_qkv(q, k, v, (4, 4, 4))
+    B, H, N, d = q.shape
+    Hkv, Nk = _check_dense_kv(q, k, v)
+    if N == 0 or Nk == 0 or B == 0 or H == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    qk_scale = float(sm_scale) * LOG2E.value  # scores in base-2 units: exp(s) = exp2(s * LOG2E)
+    diag = (Nk - N) if (causal and align == "bottom_right") else 0
+
+    o = torch.empty_like(q)  # [B, H, N, d]
+    lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N]
+    if use_tma is None:
+        use_tma = _use_tma_default(q)
+    _check_use_tma(use_tma, q)
+    desc_k = desc_v = None
+    if use_tma:
+        dummy_block = [16, d]  # replaced by the config's pre_hook
+        desc_k = TensorDescriptor.from_tensor(k.view(B * Hkv * Nk, d), dummy_block)  # [B*Hkv*Nk, d]
+        desc_v = TensorDescriptor.from_tensor(v.view(B * Hkv * Nk, d), dummy_block)  # [B*Hkv*Nk, d]
+
+    args = (
+        q, k, v, o, lse, desc_k, desc_v,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        H, Hkv, N, Nk, diag, qk_scale,
+    )
+    if interpreting() or config is not None:
+        cfg = dict(_INTERPRETER_FWD_CONFIG if config is None else config)
+        if use_tma:
+            desc_k.block_shape = [cfg["BLOCK_N"], d]
+            desc_v.block_shape = [cfg["BLOCK_N"], d]
+        grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * H)
+        _attn_fwd[grid](*args, HEAD_DIM=d, CAUSAL=bool(causal), USE_TMA=bool(use_tma), **cfg)
+    else:
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
+        _attn_fwd_tuned[grid](*args, HEAD_DIM=d, CAUSAL=bool(causal), USE_TMA=bool(use_tma))
+    return o, lse
