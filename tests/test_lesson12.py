@@ -196,6 +196,12 @@ def test_block_mask_returning_none_or_a_blockmask_object():
             "expected (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)")
 
 
+def test_block_mask_with_batch_and_head_dimensions():
+    def four_d(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
+        return tuple(t[None, None] for t in L.build_block_mask_ref(mask_mod, N, Nk, BLOCK_M, BLOCK_N))
+    rejects(check.build_block_mask, four_d, "for one head", "[B, H, ...]")
+
+
 def test_block_mask_index_out_of_range():
     def by_key(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
         a, b, c, d = L.build_block_mask_ref(mask_mod, N, Nk, BLOCK_M, BLOCK_N)

@@ -116,6 +116,10 @@ def _bm_bugs():
 
 
 def _expect_index_tensor(g, t, what, shape):
+    if isinstance(t, torch.Tensor) and t.dim() == len(shape) + 2 and tuple(t.shape[2:]) == tuple(shape):
+        g.fail(f"`{what}` has shape {list(t.shape)}, expected {list(shape)}: this exercise is for one head",
+               hint="create_block_mask's tensors are [B, H, ...]; return the one head's, [Tq] and [Tq, Tk] "
+                    "(e.g. bm.kv_num_blocks[0, 0])")
     g.expect_tensor(t, what, shape=shape)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         g.fail(f"`{what}` has dtype {t.dtype}, expected an integer dtype (create_block_mask gives torch.int32)",
