@@ -473,6 +473,8 @@ def test_lesson07_teaching_decode_figure_has_its_label():
     ("10_serving", ["continuous batching", "reference count per block", "copy-on-write", "default of 16 tokens",
                     "lengthen the block table", "multiple of 256 tokens", "FlashAttention-3 takes any page size",
                     "longest causal blocks are launched first"]),
+    ("12_masks_and_score_mods", ["kv_num_blocks", "full_kv_indices", "never read from HBM", "O(N · w)",
+                                 "cap · tanh(scale · qk / cap)", "1 − tanh²", "memory and compute"]),
 ])
 def test_interview_answers_carry_what_a_strong_answer_has(name, must):
     interview = _interview(name)
