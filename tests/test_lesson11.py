@@ -167,7 +167,8 @@ def test_double_release_rejected():
 
 
 def test_skipped_tile_rejected():
-    rejects(check.fa3_schedule, _variant(tiles=lambda n: range(0, n, 2)), "consumer0 computes tiles [0, 2", "computed once")
+    rejects(check.fa3_schedule, _variant(tiles=lambda n: range(0, n, 2)), "consumer0 computes tiles [0, 2",
+            "computed once")
 
 
 def test_not_a_dict_rejected():

@@ -153,8 +153,9 @@ def _hint(v, schedule, num_tiles, num_stages, num_consumers) -> str:
         return ("release every stage after computing on it, the last ones too: a persistent kernel reuses the ring "
                 "for its next query block, and would wait forever for a stage never released")
     if v.kind == "missing_work":
-        return _work_hint(schedule, num_tiles, num_consumers) or ("every tile is loaded once (by the producer) and computed once by each consumer, in order "
-                "j = 0 .. num_tiles - 1: each consumer owns its own rows of Q and needs every K_j, V_j")
+        return _work_hint(schedule, num_tiles, num_consumers) or (
+            "every tile is loaded once (by the producer) and computed once by each consumer, in order "
+            "j = 0 .. num_tiles - 1: each consumer owns its own rows of Q and needs every K_j, V_j")
     return ""
 
 
