@@ -251,9 +251,9 @@ _COMPILE = """
 import json
 from helpers.kernels.gluon_forward import compile_for_sm90
 out = {}
-for d, dt in ((64, "bf16"), (128, "fp16")):
-    ptx = compile_for_sm90(d=d, dtype=dt)
-    out[f"{d} {dt}"] = [k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx")
+for d, dt, ws in ((64, "bf16", False), (128, "fp16", False), (64, "fp16", True), (128, "bf16", True)):
+    ptx = compile_for_sm90(d=d, dtype=dt, warp_specialize=ws)
+    out[f"{d} {dt}{' ws' if ws else ''}"] = [k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx")
                         if k in ptx]
 print(json.dumps(out))
 """
@@ -273,4 +273,4 @@ def test_gluon_forward_compiles_for_sm90():
     assert r.returncode == 0, r.stderr[-3000:]
     found = json.loads(r.stdout.strip().splitlines()[-1])
     want = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx"]
-    assert found == {"64 bf16": want, "128 fp16": want}, found
+    assert found == {"64 bf16": want, "128 fp16": want, "64 fp16 ws": want, "128 bf16 ws": want}, found
