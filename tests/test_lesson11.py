@@ -274,3 +274,44 @@ def test_gluon_forward_compiles_for_sm90():
     found = json.loads(r.stdout.strip().splitlines()[-1])
     want = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx"]
     assert found == {"64 bf16": want, "128 fp16": want, "64 fp16 ws": want, "128 bf16 ws": want}, found
+
+
+def _kernel_waits(fn_name):
+    """The parity expressions of the ``mbarrier.wait(<bar>.index(s), <parity>)`` calls in one of the Gluon kernel's
+    functions, read from its source with ``ast`` (no triton needed): {bar: callable(j, NUM_STAGES) -> parity}."""
+    import ast
+    src = (ROOT / "helpers" / "kernels" / "gluon_forward.py").read_text()
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == fn_name)
+    waits = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "mbarrier.wait" and \
+                isinstance(node.args[0], ast.Call) and ast.unparse(node.args[0].func).endswith(".index"):
+            bar = ast.unparse(node.args[0].func).split(".")[0]
+            expr = ast.unparse(node.args[1])
+            waits[bar] = eval(f"lambda j, NUM_STAGES: {expr}")  # noqa: S307 - the course's own source
+    return waits
+
+
+def test_the_warp_specialised_kernels_waits_follow_the_simulated_rule():
+    """The Gluon kernel cannot run here, but its barrier schedule can: its producer's and consumer's parity
+    expressions, as written in the kernel, run through the simulator for many ring sizes and tile counts."""
+    prod, cons = _kernel_waits("_ws_producer"), _kernel_waits("_ws_consumer")
+    assert set(prod) == {"empty"} and set(cons) == {"full"}
+    single = _kernel_waits("_attn_fwd")
+    assert set(single) == {"full"}
+
+    def kernel_schedule(num_tiles, num_stages, num_consumers):
+        producer = []
+        for j in range(num_tiles):
+            s = j % num_stages
+            producer += [wait_empty(s, prod["empty"](j, num_stages)), load(s, j)]
+        out = {"producer": producer}
+        for c in range(num_consumers):
+            out[f"consumer{c}"] = [op for j in range(num_tiles) for op in
+                                   (wait_full(j % num_stages, cons["full"](j, num_stages)), compute(j % num_stages, j),
+                                    release(j % num_stages))]
+        return out
+    for n, s, c in L.random_cases(7, 40) + [(9, 2, 1), (1, 2, 1)]:
+        assert L.first_violation(kernel_schedule, n, s, 1) is None, (n, s)
+    for j in range(20):                                   # the one-partition kernel waits on full as the consumer does
+        assert single["full"](j, 2) == cons["full"](j, 2) == L.expected_parity("full", j // 2)
