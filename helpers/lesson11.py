@@ -140,9 +140,10 @@ def _check_op(agent, i, op, num_stages, num_tiles):
     if not isinstance(op, tuple) or not op:
         return bad(f"op {i} of {agent} is {op!r}: ops are tuples made by wait_full, wait_empty, load, compute, "
                    "release")
-    ints = [x for x in op[1:] if not isinstance(x, str)]
-    if any(isinstance(x, bool) or not isinstance(x, int) for x in ints):
-        return bad(f"op {i} of {agent} is {op!r}: stages, tiles and parities are Python ints")
+    numbers = op[2:] if op[0] == "wait" else op[1:]
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in numbers):
+        return bad(f"op {i} of {agent} is {op!r}: stages, tiles and parities are Python ints "
+                   "(int(x) of a tensor or a numpy value)")
     producer = agent == "producer"
     kind = op[0]
     if kind == "wait" and len(op) == 4 and op[1] in ("full", "empty"):

@@ -171,6 +171,18 @@ def test_skipped_tile_rejected():
             "computed once")
 
 
+def test_ops_that_are_not_ops_get_a_verdict_not_a_traceback():
+    import torch
+    rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c), "producer": [("load", "0", 0)]},
+            "bad op", "Python ints")
+    rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c),
+                                                 "producer": [load(torch.tensor(0), 0)]}, "bad op", "Python ints")
+    rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c), "consumer0": [load(0, 0)]},
+            "bad op", "only the producer loads")
+    rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c), "producer": ["load 0"]},
+            "bad op", "ops are tuples")
+
+
 def test_not_a_dict_rejected():
     rejects(check.fa3_schedule, lambda n, s, c: [load(0, 0)], "bad schedule", "one list of ops per agent")
 
