@@ -1,0 +1,329 @@
+"""Lesson 11 (FlashAttention-3's pipeline): the simulator's rules, the schedule checker's planted bugs and
+other correct schedules, the softmax count, and the Gluon kernel compiled for sm_90 where Triton has Gluon."""
+import importlib.util
+import math
+
+import pytest
+
+from conftest import ROOT, notebook_namespace, rejects
+from helpers import check
+from helpers import lesson11 as L
+from helpers.lesson11 import compute, load, release, wait_empty, wait_full
+
+NB = "11_hopper_fa3"
+
+
+# ------------------------------------------------------------------ the simulator itself
+def test_a_fresh_barrier_passes_parity_1_and_blocks_parity_0():
+    sched = {"producer": [load(0, 0)], "consumer0": [wait_full(0, 0), compute(0, 0), release(0)]}
+    assert L.simulate(sched, 1, 1, 1).violation is None
+    stuck = L.simulate({"producer": [wait_empty(0, 0), load(0, 0)],
+                        "consumer0": [wait_full(0, 0), compute(0, 0), release(0)]}, 1, 1, 1).violation
+    assert stuck.kind == "deadlock" and stuck.details["blocked"][0]["agent"] == "producer"
+
+
+def test_parity_aliasing_two_phases_ahead_blocks():
+    """A wait sees only the parity: two completions later the same parity blocks again (the hardware rule)."""
+    b = L._Barrier(1)
+    assert b.passes(1) and not b.passes(0)
+    b.arrive()
+    assert b.passes(0) and not b.passes(1)
+    b.arrive()
+    assert b.passes(1) and not b.passes(0)
+
+
+def test_the_reference_runs_clean_everywhere():
+    for n, s, c in L.random_cases(5, 80) + [(1, 1, 1), (13, 1, 2), (2, 5, 2)]:
+        assert L.first_violation(L.fa3_schedule_ref, n, s, c) is None, (n, s, c)
+
+
+def test_every_timing_profile_is_needed():
+    """Each planted race shows under some timing only: the checker runs all three."""
+    no_wait = _variant(prod_wait=False)
+    early = _variant(cons_par=lambda j, S: (j // S + 1) % 2)
+    kinds = {}
+    for name, prof in L.PROFILES.items():
+        for label, fn in (("no_wait", no_wait), ("early", early)):
+            v = L.simulate(fn(7, 2, 2), 7, 2, 2, **prof).violation
+            kinds[label, name] = v.kind if v else None
+    assert kinds["no_wait", "producer ahead"] in ("overwrite_in_flight", "overwrite_unreleased")
+    assert kinds["early", "consumer ahead"] == "read_before_landed"
+
+
+def test_pingpong_keeps_the_tensor_cores_busier():
+    sched = L.fa3_schedule_ref(8, 2, 2)
+    one = L.simulate(L.fa3_schedule_ref(8, 2, 1), 8, 2, 1, load_t=2, gemm_t=4, softmax_t=(4,))
+    pp = L.simulate(sched, 8, 2, 2, load_t=2, gemm_t=4, softmax_t=(4, 4), pingpong=True)
+    assert one.violation is None and pp.violation is None
+    assert L.tensor_core_busy(one) < 0.7 < L.tensor_core_busy(pp)
+
+
+def test_timeline_plot_draws(monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    run = L.simulate(L.fa3_schedule_ref(5, 2, 2), 5, 2, 2, pingpong=True)
+    ax = L.plot_timeline(run, title="x")
+    drawn = [e for e in run.events if not (e[0] == "producer" and e[1] == "wait")]
+    assert len(ax.patches) == len(drawn) and "tensor cores busy" in ax.get_title()
+
+
+# ------------------------------------------------------------------ why softmax matters
+def test_softmax_counts_match_the_formula_and_the_paper():
+    c = L.count_forward_ops(N=128, Nk=192, d=64, BLOCK_M=64, BLOCK_N=64)
+    assert c["matmul_flops"] == 4 * 128 * 192 * 64
+    assert c["exps"] == 128 * 192 + 128 * 3               # p, and alpha once per row and KV tile
+    r = L.softmax_share(128, N=256, Nk=256, BLOCK_M=128, BLOCK_N=128)
+    assert abs(r["flops_per_exp"] - 512) < 5               # the paper: "512x more matmul FLOPS" at d = 128
+    assert abs(r["exp_over_mma"] - 0.5) < 0.01             # "exponential can take 50% of the cycle"
+    assert math.isclose(r["share_if_serial"], r["exp_over_mma"] / (1 + r["exp_over_mma"]))
+
+
+# ------------------------------------------------------------------ the checker: planted bugs
+def _variant(cons_stage=None, cons_par=None, prod_par=None, order="wcr", prod_wait=True, releasers=None,
+             prod_stage=None, skip_first_wait=False, tiles=None):
+    """One loop, one switch per bug: the planted schedules differ from the reference by one thing."""
+    cons_stage = cons_stage or (lambda j, S: j % S)
+    prod_stage = prod_stage or (lambda j, S: j % S)
+    cons_par = cons_par or (lambda j, S: (j // S) % 2)
+    prod_par = prod_par or (lambda j, S: (j // S + 1) % 2)
+
+    def fa3_schedule(num_tiles, num_stages, num_consumers):
+        S = num_stages
+        producer = []
+        for j in range(num_tiles):
+            if prod_wait and not (skip_first_wait and j < S):
+                producer.append(wait_empty(prod_stage(j, S), prod_par(j, S)))
+            producer.append(load(prod_stage(j, S), j))
+        out = {"producer": producer}
+        for c in range(num_consumers):
+            ops = []
+            for j in (tiles(num_tiles) if tiles else range(num_tiles)):
+                s = cons_stage(j, S)
+                step = {"w": wait_full(s, cons_par(j, S)), "c": compute(s, j), "r": release(s)}
+                mine = order if releasers is None or c in releasers else order.replace("r", "")
+                ops += [step[x] for x in mine]
+            out[f"consumer{c}"] = ops
+        return out
+    return fa3_schedule
+
+
+def test_stage_off_by_one_rejected():
+    rejects(check.fa3_schedule, _variant(cons_stage=lambda j, S: (j + 1) % S), "off by one stage", "j % num_stages")
+
+
+def test_stage_out_of_range_rejected():
+    rejects(check.fa3_schedule, _variant(cons_stage=lambda j, S: j % S + 1, prod_stage=lambda j, S: j % S + 1),
+            "off by one stage", "0..num_stages - 1")
+
+
+def test_producer_and_consumers_disagree_on_the_stage_rejected():
+    rejects(check.fa3_schedule, _variant(prod_stage=lambda j, S: (S - 1 - j % S)), "stage")
+
+
+def test_consumer_parity_not_flipped_on_wrap_rejected():
+    rejects(check.fa3_schedule, _variant(cons_par=lambda j, S: 0), "parity not flipped on wrap", "full")
+
+
+def test_producer_parity_not_flipped_on_wrap_rejected():
+    rejects(check.fa3_schedule, _variant(prod_par=lambda j, S: 1), "parity not flipped on wrap", "empty")
+
+
+def test_parity_flipped_every_tile_rejected():
+    rejects(check.fa3_schedule, _variant(cons_par=lambda j, S: j % 2, prod_par=lambda j, S: (j + 1) % 2),
+            "flips every tile")
+
+
+def test_consumer_parity_inverted_rejected():
+    rejects(check.fa3_schedule, _variant(cons_par=lambda j, S: (j // S + 1) % 2), "inverted parity", "full")
+
+
+def test_producer_parity_inverted_rejected():
+    rejects(check.fa3_schedule, _variant(prod_par=lambda j, S: (j // S) % 2), "inverted parity",
+            "passes at once", "deadlock")
+
+
+def test_release_before_use_rejected():
+    rejects(check.fa3_schedule, _variant(order="wrc"), "release before use", "only after computing")
+
+
+def test_no_wait_before_compute_rejected():
+    rejects(check.fa3_schedule, _variant(order="cr"), "without waiting for its load")
+
+
+def test_producer_does_not_wait_rejected():
+    rejects(check.fa3_schedule, _variant(prod_wait=False), "wait_empty(s, parity) before every load")
+
+
+def test_never_released_rejected():
+    rejects(check.fa3_schedule, _variant(order="wc"), "release")
+
+
+def test_only_one_consumer_releases_rejected():
+    rejects(check.fa3_schedule, _variant(releasers={0}), "only consumer0 releases", "2 arrivals")
+
+
+def test_double_release_rejected():
+    rejects(check.fa3_schedule, _variant(order="wcrr"), "double release", "one release per compute")
+
+
+def test_skipped_tile_rejected():
+    rejects(check.fa3_schedule, _variant(tiles=lambda n: range(0, n, 2)), "consumer0 computes tiles [0, 2",
+            "computed once")
+
+
+def test_ops_that_are_not_ops_get_a_verdict_not_a_traceback():
+    import torch
+    rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c), "producer": [("load", "0", 0)]},
+            "bad op", "Python ints")
+    rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c),
+                                                 "producer": [load(torch.tensor(0), 0)]}, "bad op", "Python ints")
+    rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c), "consumer0": [load(0, 0)]},
+            "bad op", "only the producer loads")
+    rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c), "producer": ["load 0"]},
+            "bad op", "ops are tuples")
+
+
+def test_not_a_dict_rejected():
+    rejects(check.fa3_schedule, lambda n, s, c: [load(0, 0)], "bad schedule", "one list of ops per agent")
+
+
+# ------------------------------------------------------------------ the checker: correct schedules, other ways
+def _running_phase(num_tiles, num_stages, num_consumers):
+    """CUTLASS style: a running (stage, phase) pair, the phase flipped when the stage wraps to 0; the producer's
+    phase starts at 1 so its first lap passes at once."""
+    producer, s, phase = [], 0, 1
+    for j in range(num_tiles):
+        producer += [wait_empty(s, phase), load(s, j)]
+        s += 1
+        if s == num_stages:
+            s, phase = 0, phase ^ 1
+    out = {"producer": producer}
+    for c in range(num_consumers):
+        ops, s, phase = [], 0, 0
+        for j in range(num_tiles):
+            ops += [wait_full(s, phase), compute(s, j), release(s)]
+            s += 1
+            if s == num_stages:
+                s, phase = 0, phase ^ 1
+        out[f"consumer{c}"] = ops
+    return out
+
+
+def test_running_phase_schedule_passes(strict):
+    check.fa3_schedule(_running_phase)
+
+
+def test_first_lap_without_producer_waits_passes(strict):
+    """The ring starts empty: skipping the producer's first-lap waits is also right."""
+    check.fa3_schedule(_variant(skip_first_wait=True))
+
+
+def test_consumers_listed_in_another_order_pass(strict):
+    def reordered(n, s, c):
+        out = L.fa3_schedule_ref(n, s, c)
+        return dict(reversed(list(out.items())))
+    check.fa3_schedule(reordered)
+
+
+def test_reference_passes(strict, capsys):
+    check.fa3_schedule(L.fa3_schedule_ref)
+    assert "course's reference" in capsys.readouterr().out
+
+
+def test_worked_answer_passes(strict, capsys):
+    check.fa3_schedule(notebook_namespace(NB)["fa3_schedule"])
+    assert "✅ fa3_schedule" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the GPU section's gate
+def test_gpu_section_says_one_line_without_hopper(capsys, monkeypatch):
+    monkeypatch.setattr(L, "hopper_here", lambda: L.NO_HOPPER + " This machine has no CUDA GPU.")
+    assert L.require_hopper() is False
+    out = capsys.readouterr().out
+    assert out.startswith(L.NO_HOPPER) and "none are typed in" in out
+
+
+# ------------------------------------------------------------------ Part B: the Gluon forward compiles for sm_90
+def _gluon_hopper_api():
+    """'' when this Triton has the Gluon Hopper API the kernel uses, else why not."""
+    if importlib.util.find_spec("triton") is None:
+        return "no triton in this Python"
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma  # noqa: F401
+        from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared  # noqa: F401
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+    except ImportError as e:
+        return f"this triton's Gluon lacks the Hopper API the kernel uses ({e})"
+    if not (hasattr(tma, "async_load") or hasattr(tma, "async_copy_global_to_shared")):
+        return "this triton's Gluon has no TMA load"
+    return ""
+
+
+_COMPILE = """
+import json
+from helpers.kernels.gluon_forward import compile_for_sm90
+out = {}
+for d, dt, ws in ((64, "bf16", False), (128, "fp16", False), (64, "fp16", True), (128, "bf16", True)):
+    ptx = compile_for_sm90(d=d, dtype=dt, warp_specialize=ws)
+    out[f"{d} {dt}{' ws' if ws else ''}"] = [k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx")
+                        if k in ptx]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(bool(_gluon_hopper_api()), reason=_gluon_hopper_api() or "ok")
+def test_gluon_forward_compiles_for_sm90():
+    """Triton's compiler, no GPU: TTGIR, PTX and a cubin for sm_90, in a child process with the interpreter off
+    (Triton decides between its interpreter and its compiler when a kernel is decorated)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    want = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx"]
+    assert found == {"64 bf16": want, "128 fp16": want, "64 fp16 ws": want, "128 bf16 ws": want}, found
+
+
+def _kernel_waits(fn_name):
+    """The parity expressions of the ``mbarrier.wait(<bar>.index(s), <parity>)`` calls in one of the Gluon kernel's
+    functions, read from its source with ``ast`` (no triton needed): {bar: callable(j, NUM_STAGES) -> parity}."""
+    import ast
+    src = (ROOT / "helpers" / "kernels" / "gluon_forward.py").read_text()
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == fn_name)
+    waits = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "mbarrier.wait" and \
+                isinstance(node.args[0], ast.Call) and ast.unparse(node.args[0].func).endswith(".index"):
+            bar = ast.unparse(node.args[0].func).split(".")[0]
+            expr = ast.unparse(node.args[1])
+            waits[bar] = eval(f"lambda j, NUM_STAGES: {expr}")  # noqa: S307 - the course's own source
+    return waits
+
+
+def test_the_warp_specialised_kernels_waits_follow_the_simulated_rule():
+    """The Gluon kernel cannot run here, but its barrier schedule can: its producer's and consumer's parity
+    expressions, as written in the kernel, run through the simulator for many ring sizes and tile counts."""
+    prod, cons = _kernel_waits("_ws_producer"), _kernel_waits("_ws_consumer")
+    assert set(prod) == {"empty"} and set(cons) == {"full"}
+    single = _kernel_waits("_attn_fwd")
+    assert set(single) == {"full"}
+
+    def kernel_schedule(num_tiles, num_stages, num_consumers):
+        producer = []
+        for j in range(num_tiles):
+            s = j % num_stages
+            producer += [wait_empty(s, prod["empty"](j, num_stages)), load(s, j)]
+        out = {"producer": producer}
+        for c in range(num_consumers):
+            out[f"consumer{c}"] = [op for j in range(num_tiles) for op in
+                                   (wait_full(j % num_stages, cons["full"](j, num_stages)), compute(j % num_stages, j),
+                                    release(j % num_stages))]
+        return out
+    for n, s, c in L.random_cases(7, 40) + [(9, 2, 1), (1, 2, 1)]:
+        assert L.first_violation(kernel_schedule, n, s, 1) is None, (n, s)
+    for j in range(20):                                   # the one-partition kernel waits on full as the consumer does
+        assert single["full"](j, 2) == cons["full"](j, 2) == L.expected_parity("full", j // 2)
