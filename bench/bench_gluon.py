@@ -1,0 +1,76 @@
+"""Lesson 11's Gluon forward on one Hopper GPU against the course's Triton forward and SDPA's backends.
+
+    python3 bench/bench_gluon.py [--ws] [--N 4096 16384]
+
+Non-causal bf16 and fp16, d = 64 and 128, B * N = 32768 tokens (H = 32 for d = 64, 16 for d = 128). Each Gluon
+row is checked first against float64 (FlashAttention's rule, as in bench.py: error at most twice SDPA's own in
+the same dtype) and timed only when correct. ``--ws`` adds the warp-specialised variant (a producer warp that only
+issues TMA loads; run it after ``python -m helpers.kernels.gluon_forward --warp-specialize`` passed, since a
+barrier mistake hangs rather than fails). Timing: bench/common.py's do_bench median, L2 flushed. Writes
+bench/results/gluon_<gpu>.json after every row and prints a short table last.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
+from common import TIMING, bench_ms, check_prefill, log, results_path, run_meta, sdpa_ms, why, write_json  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from helpers.kernels.forward import flash_attn_triton  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--N", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--ws", action="store_true", help="also the warp-specialised Gluon kernel")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        sys.exit("bench_gluon.py needs an sm_90 GPU (H100, H200)")
+    from helpers.kernels.gluon_forward import gluon_forward
+    gpu = torch.cuda.get_device_name()
+    path = results_path(gpu, prefix="gluon_")
+    result = {"meta": run_meta(gpu, timing=TIMING, causal=False), "rows": []}
+    variants = [("gluon", False)] + ([("gluon_ws", True)] if args.ws else [])
+    for dtype in (torch.bfloat16, torch.float16):
+        for d in (64, 128):
+            for N in args.N:
+                B, H = max(1, 32768 // N), (32 if d == 64 else 16)
+                q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
+                flops = 4 * B * H * N * N * d
+                row = {"dtype": str(dtype).replace("torch.", ""), "d": d, "N": N, "B": B, "H": H}
+                for name, ws in variants:
+                    try:
+                        o, lse = gluon_forward(q, k, v, warp_specialize=ws)
+                        chk = check_prefill(q, k, v, False, o, lse)
+                    except Exception as e:  # noqa: BLE001 - recorded in the row
+                        row[f"{name}_error"] = why(e, 200)
+                        continue
+                    row[f"{name}_pass"] = chk["pass"]
+                    row[f"{name}_err_ratio"] = round(chk["err"] / max(chk["sdpa_err"], 1e-12), 2)
+                    if chk["pass"]:
+                        ms = bench_ms(lambda: gluon_forward(q, k, v, warp_specialize=ws))
+                        row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
+                ms = bench_ms(lambda: flash_attn_triton(q, k, v))
+                row["triton_tflops"] = round(flops / ms / 1e9, 1)
+                for backend in ("flash", "cudnn"):
+                    ms = sdpa_ms(backend, lambda: F.scaled_dot_product_attention(q, k, v))
+                    row[f"sdpa_{backend}_tflops"] = None if ms is None else round(flops / ms / 1e9, 1)
+                result["rows"].append(row)
+                log(row)
+                write_json(path, result)
+                del q, k, v
+    cols = [n for n, _ in variants] + ["triton", "sdpa_flash", "sdpa_cudnn"]
+    log(f"\n{gpu}, torch {torch.__version__}, triton {result['meta']['triton']}, non-causal, TFLOP/s (median)")
+    log(f"{'dtype':9s} {'d':>4s} {'N':>6s} " + " ".join(f"{c:>10s}" for c in cols) + "  correct")
+    for r in result["rows"]:
+        vals = " ".join(f"{r.get(c + '_tflops') or 0:10.1f}" for c in cols)
+        log(f"{r['dtype']:9s} {r['d']:4d} {r['N']:6d} {vals}  " +
+            ", ".join(f"{n}={r.get(n + '_pass', r.get(n + '_error'))}" for n, _ in variants))
+    return 0 if all(r.get(f"{n}_pass") for r in result["rows"] for n, _ in variants) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
