@@ -75,10 +75,10 @@ def _warm_one(job):
     try:
         if kind == "dkdv":
             dq = torch.empty(1, 1, N, d, device="cuda", dtype=torch.float32 if atomic else dt)
-            tbw._bwd_dkdv.warmup(q, k, v, do, lse2, delta, dk, dv, dq, N, N, 0, 0.1, 0.1, DQ_ATOMIC=atomic,
+            tbw._bwd_dkdv.warmup(q, k, v, do, lse2, delta, dk, dv, dq, N, N, 0, 0.1, 0.1, 1, DQ_ATOMIC=atomic,
                                  grid=(1,), **meta)
         else:
-            tbw._bwd_dq.warmup(q, k, v, do, lse2, delta, dk, N, N, 0, 0.1, 0.1, grid=(1,), **meta)
+            tbw._bwd_dq.warmup(q, k, v, do, lse2, delta, dk, N, N, 0, 0.1, 0.1, 1, grid=(1,), **meta)
         return None
     except Exception as e:  # noqa: BLE001
         return f"{job}: {why(e, 200)}"
@@ -285,7 +285,7 @@ def sweep():
                                 if atomic:
                                     dq32.zero_()
                                 tb._bwd_dkdv[(triton.cdiv(N, bn), B * H)](
-                                    q, k, v, do, lse2, delta, dk, dv, dq32 if atomic else dq, N, N, 0, sc * LOG2E.value, sc,
+                                    q, k, v, do, lse2, delta, dk, dv, dq32 if atomic else dq, N, N, 0, sc * LOG2E.value, sc, 1,
                                     HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=bn, EVEN=True,
                                     num_warps=w, num_stages=s)
                             go()
@@ -299,7 +299,7 @@ def sweep():
                     try:
                         def go():
                             tb._bwd_dq[(triton.cdiv(N, bm), B * H)](
-                                q, k, v, do, lse2, delta, dq, N, N, 0, sc * LOG2E.value, sc,
+                                q, k, v, do, lse2, delta, dq, N, N, 0, sc * LOG2E.value, sc, 1,
                                 HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)
                         go()
                         line[tag] = round(bench_ms(go), 4)

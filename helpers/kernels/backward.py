@@ -80,7 +80,8 @@ def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, N, HEAD_DIM: tl.constexpr, BLOCK_M:
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,  # [BLOCK_N, D] fp32 accumulators; this program's keys and values
-    Q, DO, LSE2, DELTA, DQ,  # this head's base pointers: Q, DO, DQ [N, D]; LSE2, DELTA [N]
+    Q, DO, LSE2, DELTA, DQ,  # this query head's base pointers: Q, DO, DQ [N, D]; LSE2, DELTA [N]
+    stride_qm,  # elements from one query row to the next in Q, DO and DQ (HEAD_DIM dense; H * D packed)
     lo, hi,  # query rows [lo, hi) to visit, lo a multiple of BLOCK_M
     offs_n, N, Nk, diag, qk_scale, sm_scale,  # offs_n [BLOCK_N]: this program's key indices
     HEAD_DIM: tl.constexpr,
@@ -93,7 +94,7 @@ def _bwd_dkdv_inner(
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-        ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_M, D]
+        ptrs = rows[:, None] * stride_qm + offs_d[None, :]  # [BLOCK_M, D]
         if MASKED:
             row_ok = rows < N
             q = tl.load(Q + ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
@@ -136,8 +137,10 @@ def _even(args):
 
 @triton.jit(do_not_specialize=["diag"])
 def _bwd_dkdv(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, DQ,  # all contiguous [B*H, rows, D] / [B*H, N]; DQ fp32 if atomic
+    Q, K, V, DO, LSE2, DELTA, DK, DV, DQ,  # contiguous: Q, DO, DQ [B*H, N, D]; K, V, DK, DV [B*Hkv, Nk, D];
+    # LSE2, DELTA [B*H, N]; DQ fp32 if atomic
     N, Nk, diag, qk_scale, sm_scale,
+    GROUP,  # query heads per KV head (H // Hkv; 1 without grouped-query attention)
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -145,23 +148,22 @@ def _bwd_dkdv(
     DQ_ATOMIC: tl.constexpr,
     EVEN: tl.constexpr,  # _even(): no ragged query or key block
 ):
-    # grid = (cdiv(Nk, BLOCK_N), B * H); with causal top-left the first key blocks are seen by the most
-    # rows, so program 0 (launched first) is the heaviest
+    # grid = (cdiv(Nk, BLOCK_N), B * Hkv); with causal top-left the first key blocks are seen by the most
+    # rows, so program 0 (launched first) is the heaviest. Grouped-query attention: this program owns
+    # BLOCK_N keys of one KV head and visits the GROUP query heads that read it one after the other, summing
+    # their dK, dV in registers: K and V are read once, dK and dV written once (no atomics, deterministic).
     start_n = tl.program_id(0) * BLOCK_N
-    off_bh = tl.program_id(1).to(tl.int64)
+    off_bkv = tl.program_id(1).to(tl.int64)  # b * Hkv + kv head
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key indices
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
-    q_base = Q + off_bh * N * HEAD_DIM
-    do_base = DO + off_bh * N * HEAD_DIM
-    dq_base = DQ + off_bh * N * HEAD_DIM
-    kv_ptrs = off_bh * Nk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
+    kv_ptrs = off_bkv * Nk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
     key_ok = offs_n < Nk
     k = tl.load(K + kv_ptrs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
     v = tl.load(V + kv_ptrs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Row classes for this key block. Row i sees key j when j <= i + diag (causal).
+    # Row classes for this key block (the same for every query head). Row i sees key j when j <= i + diag.
     # Masked: rows [m_lo, off_lo) (the band) and [off_hi, N) (the ragged row tail);
     # no mask: [off_lo, off_hi), whole query blocks that see every key of a whole key block.
     # Rows < m_lo see none of these keys: never visited.
@@ -182,17 +184,24 @@ def _bwd_dkdv(
         off_hi = off_lo
     tail_lo = tl.maximum(off_hi, m_lo)
 
-    if CAUSAL or not EVEN:  # not causal and even: the band is empty, so the loop is left out
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE2 + off_bh * N, DELTA + off_bh * N, dq_base,
-                                 m_lo, off_lo, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                                 HEAD_DIM, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE2 + off_bh * N, DELTA + off_bh * N, dq_base,
-                             off_lo, off_hi, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                             HEAD_DIM, BLOCK_M, False, CAUSAL, DQ_ATOMIC)
-    if not EVEN:  # the ragged row tail
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE2 + off_bh * N, DELTA + off_bh * N, dq_base,
-                                 tail_lo, N, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                                 HEAD_DIM, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+    for g in range(0, GROUP):  # query head off_bkv * GROUP + g = b * H + kv head * GROUP + g
+        off_bh = off_bkv * GROUP + g
+        q_base = Q + off_bh * N * HEAD_DIM
+        do_base = DO + off_bh * N * HEAD_DIM
+        dq_base = DQ + off_bh * N * HEAD_DIM
+        lse2_base = LSE2 + off_bh * N
+        delta_base = DELTA + off_bh * N
+        if CAUSAL or not EVEN:  # not causal and even: the band is empty, so the loop is left out
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, HEAD_DIM,
+                                     m_lo, off_lo, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                     HEAD_DIM, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, HEAD_DIM,
+                                 off_lo, off_hi, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                 HEAD_DIM, BLOCK_M, False, CAUSAL, DQ_ATOMIC)
+        if not EVEN:  # the ragged row tail
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, HEAD_DIM,
+                                     tail_lo, N, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                     HEAD_DIM, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
 
     dk = dk * sm_scale  # dS was taken w.r.t. S = q k^T * sm_scale
     tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
@@ -207,7 +216,8 @@ def _bwd_dkdv(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse2, delta,  # dq [BLOCK_M, D] fp32; q, do [BLOCK_M, D]; lse2, delta [BLOCK_M]
-    K, V,  # this head's [Nk, D]
+    K, V,  # this query head's KV head's base pointers [Nk, D]
+    stride_kn,  # elements from one key row to the next in K and V (HEAD_DIM dense; Hkv * D packed)
     lo, hi, offs_m, Nk, diag, qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -218,7 +228,7 @@ def _bwd_dq_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        ptrs = cols[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
+        ptrs = cols[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
         if MASKED:
             k = tl.load(K + ptrs, mask=cols[:, None] < Nk, other=0.0)  # [BLOCK_N, D]
             v = tl.load(V + ptrs, mask=cols[:, None] < Nk, other=0.0)  # [BLOCK_N, D]
@@ -242,6 +252,7 @@ def _bwd_dq_inner(
 def _bwd_dq(
     Q, K, V, DO, LSE2, DELTA, DQ,
     N, Nk, diag, qk_scale, sm_scale,
+    GROUP,  # query heads per KV head: query head b * H + h reads KV head (b * H + h) // GROUP = b * Hkv + h // GROUP
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -263,8 +274,9 @@ def _bwd_dq(
     lse2 = tl.load(LSE2 + off_bh * N + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + off_bh * N + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    k_base = K + off_bh * Nk * HEAD_DIM
-    v_base = V + off_bh * Nk * HEAD_DIM
+    off_bkv = off_bh // GROUP
+    k_base = K + off_bkv * Nk * HEAD_DIM
+    v_base = V + off_bkv * Nk * HEAD_DIM
     if CAUSAL:  # as in the forward: [0, band_lo) no mask, [band_lo, band_hi) masked, the rest never visited
         first_row_end = tl.minimum(tl.maximum(start_m * BLOCK_M + diag + 1, 0), Nk)
         band_lo = (first_row_end // BLOCK_N) * BLOCK_N
@@ -272,10 +284,10 @@ def _bwd_dq(
     else:
         band_lo = (Nk // BLOCK_N) * BLOCK_N
         band_hi = Nk
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, 0, band_lo, offs_m, Nk, diag, qk_scale,
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, HEAD_DIM, 0, band_lo, offs_m, Nk, diag, qk_scale,
                        HEAD_DIM, BLOCK_N, False, CAUSAL)
     if CAUSAL or not EVEN:  # not causal and even: nothing is masked, the loop is left out
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, band_lo, band_hi, offs_m, Nk, diag, qk_scale,
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, HEAD_DIM, band_lo, band_hi, offs_m, Nk, diag, qk_scale,
                            HEAD_DIM, BLOCK_N, True, CAUSAL)
     dq = dq * sm_scale
     tl.store(DQ + ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -321,13 +333,13 @@ _bwd_dq_tuned = triton.autotune(configs=_configs(_DQ_SHAPES), key=["N", "Nk", "H
 def _check_inputs(q, k, v, causal, align):
     _check_qkv(q, k, v, (4, 4, 4))
     B, H, N, d = q.shape
-    if k.shape[0] == B and k.shape[3] == d and k.shape[1] != H:
-        raise ValueError(f"the backward has no grouped-query attention: q has H = {H} heads, k has {k.shape[1]}; "
-                         f"repeat k and v to H heads first (k.repeat_interleave(H // Hkv, dim=1)) to train through it")
-    if tuple(k.shape[:2]) != (B, H) or k.shape[3] != d:
-        raise ValueError(f"k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}], got {tuple(k.shape)}")
+    Hkv = k.shape[1]
+    if k.shape[0] != B or k.shape[3] != d:
+        raise ValueError(f"k must be [B, Hkv, Nk, d] = [{B}, Hkv, Nk, {d}], got {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads (k is {tuple(k.shape)})")
     if d not in BWD_HEAD_DIMS:
         raise ValueError(f"head dimension d must be one of {', '.join(map(str, BWD_HEAD_DIMS))} for the backward; "
                          f"got {d}")
@@ -335,20 +347,22 @@ def _check_inputs(q, k, v, causal, align):
         raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    return B, H, N, k.shape[2], d
+    return B, H, Hkv, N, k.shape[2], d
 
 
 def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left", *,
                           dq_mode=None, config=None):
     """Gradients ``(dq, dk, dv)`` of O = attention(q, k, v) for the upstream gradient ``do``.
 
-    q, o, do: [B, H, N, d]; k, v: [B, H, Nk, d]; lse: [B, H, N] float32 natural log, as returned by
+    q, o, do: [B, H, N, d]; k, v: [B, Hkv, Nk, d] (H a multiple of Hkv: grouped-query attention, query
+    head h reads KV head h // (H // Hkv); dk, dv sum over each KV head's group inside the kernel); lse: [B, H, N] float32 natural log, as returned by
     ``flash_attn_triton`` (-inf for a row that saw no key: its gradients are 0). ``causal``, ``align``,
     ``sm_scale`` as in the forward. ``dq_mode``: "separate" (a dQ kernel; deterministic) or "atomic"
     (fp32 atomic adds from the dK/dV kernel); None = DEFAULT_DQ_MODE. ``config``: None autotunes;
     a dict {"dkdv": {BLOCK_M, BLOCK_N, num_warps, num_stages}, "dq": {...}} fixes the tiles.
     """
-    B, H, N, Nk, d = _check_inputs(q, k, v, causal, align)
+    B, H, Hkv, N, Nk, d = _check_inputs(q, k, v, causal, align)
+    group = H // Hkv
     for name, x, shape in (("o", o, q.shape), ("do", do, q.shape)):
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
             raise ValueError(f"{name} must be a tensor of q's shape {tuple(shape)}")
@@ -372,28 +386,28 @@ def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, alig
     lse2 = torch.empty_like(delta)  # [B, H, N] lse in base 2, +inf on empty rows
     _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d,
                                                            BLOCK_M=_PRE_BLOCK_M)
-    dk = torch.empty_like(k)  # [B, H, Nk, d]
-    dv = torch.empty_like(v)  # [B, H, Nk, d]
+    dk = torch.empty_like(k)  # [B, Hkv, Nk, d]
+    dv = torch.empty_like(v)  # [B, Hkv, Nk, d]
     atomic = dq_mode == "atomic"
     if atomic:
         dq_acc = torch.zeros((B, H, N, d), device=q.device, dtype=torch.float32)  # [B, H, N, d] fp32 sums
     else:
         dq_acc = dq = torch.empty_like(q)  # [B, H, N, d]
-    args = (q, k, v, do, lse2, delta, dk, dv, dq_acc, N, Nk, diag, qk_scale, sm_scale)
+    args = (q, k, v, do, lse2, delta, dk, dv, dq_acc, N, Nk, diag, qk_scale, sm_scale, group)
     meta = dict(HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic)
     if config is None and interpreting():
         config = {"dkdv": _INTERPRETER_BWD_CONFIG, "dq": _INTERPRETER_BWD_CONFIG}
     if config is not None:
         cfg = config["dkdv"]
-        _bwd_dkdv[(triton.cdiv(Nk, cfg["BLOCK_N"]), B * H)](*args, **meta, **cfg, EVEN=_even(dict(N=N, Nk=Nk, **cfg)))
+        _bwd_dkdv[(triton.cdiv(Nk, cfg["BLOCK_N"]), B * Hkv)](*args, **meta, **cfg, EVEN=_even(dict(N=N, Nk=Nk, **cfg)))
     else:
-        _bwd_dkdv_tuned[lambda m: (triton.cdiv(Nk, m["BLOCK_N"]), B * H)](*args, **meta)
+        _bwd_dkdv_tuned[lambda m: (triton.cdiv(Nk, m["BLOCK_N"]), B * Hkv)](*args, **meta)
     if atomic:
         dq = torch.empty_like(q)
         n = dq.numel()
         _cast_rows[(triton.cdiv(n, 1024),)](dq_acc, dq, n, BLOCK=1024)
     else:
-        dq_args = (q, k, v, do, lse2, delta, dq, N, Nk, diag, qk_scale, sm_scale)
+        dq_args = (q, k, v, do, lse2, delta, dq, N, Nk, diag, qk_scale, sm_scale, group)
         if config is not None:
             cfg = config["dq"]
             _bwd_dq[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](*dq_args, HEAD_DIM=d, CAUSAL=causal, **cfg,
@@ -422,10 +436,11 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 
 def flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left", *, dq_mode=None):
-    """Differentiable attention: q [B, H, N, d], k, v [B, H, Nk, d] -> O [B, H, N, d] (q's dtype).
+    """Differentiable attention: q [B, H, N, d], k, v [B, Hkv, Nk, d] -> O [B, H, N, d] (q's dtype).
 
     The drop-in for ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)``
-    (``align="top_left"`` is SDPA's causal mask; "bottom_right" is the FlashAttention library's).
+    (``align="top_left"`` is SDPA's causal mask; "bottom_right" is the FlashAttention library's). H a multiple of
+    Hkv: grouped-query attention (SDPA's ``enable_gqa=True``), with no copy of k and v in either pass.
     fp16/bf16 (and fp32) on a CUDA GPU; fp32/fp16 on the CPU under TRITON_INTERPRET=1. d in 16..128.
     """
     _check_inputs(q, k, v, causal, align)
