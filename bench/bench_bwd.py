@@ -71,7 +71,7 @@ def _warm_one(job):
     q, k, v, do, dk, dv = (torch.empty(1, 1, N, d, device="cuda", dtype=dt) for _ in range(6))
     lse2, delta = (torch.empty(1, 1, N, device="cuda", dtype=torch.float32) for _ in range(2))
     bm, bn, w, s = cfg
-    meta = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)  # N = 1024
+    meta = dict(HEAD_DIM=d, BLOCK_D=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)  # N = 1024
     try:
         if kind == "dkdv":
             dq = torch.empty(1, 1, N, d, device="cuda", dtype=torch.float32 if atomic else dt)
@@ -218,7 +218,7 @@ def run(quick, save=None, flex="some"):
             row.update(check_grads(q, k, v, do, causal))
             row["triton_tflops"] = tf(time_backward(lambda *a: flash_attention(*a, causal=causal), q, k, v, do))
             row["dq_mode"] = tb.DEFAULT_DQ_MODE
-            for name, kern in (("dkdv", tb._bwd_dkdv_tuned), ("dq", tb._bwd_dq_tuned)):
+            for name, kern in (("dkdv", tb._bwd_dkdv_tuned[tb._d_class(d)]), ("dq", tb._bwd_dq_tuned[tb._d_class(d)])):
                 cfg = getattr(kern, "best_config", None)
                 row[f"config_{name}"] = str(cfg) if cfg is not None else None
         except Exception:
@@ -268,9 +268,9 @@ def sweep():
                 flops = 2.5 * 4 * B * H * N * N * d / (2 if causal else 1)
                 delta = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
                 lse2 = torch.empty_like(delta)
-                tb._bwd_preprocess[(triton.cdiv(N, 64), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d, BLOCK_M=64)
+                tb._bwd_preprocess[(triton.cdiv(N, 64), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d, BLOCK_M=64, BLOCK_D=d)
                 pre_ms = bench_ms(lambda: tb._bwd_preprocess[(triton.cdiv(N, 64), B * H)](
-                    o, do, lse, delta, lse2, N, HEAD_DIM=d, BLOCK_M=64))
+                    o, do, lse, delta, lse2, N, HEAD_DIM=d, BLOCK_M=64, BLOCK_D=d))
                 line = {"d": d, "causal": causal, "N": N, "B": B, "H": H, "preprocess_ms": round(pre_ms, 4)}
                 dk, dv = torch.empty_like(k), torch.empty_like(v)
                 dq = torch.empty_like(q)
@@ -286,7 +286,7 @@ def sweep():
                                     dq32.zero_()
                                 tb._bwd_dkdv[(triton.cdiv(N, bn), B * H)](
                                     q, k, v, do, lse2, delta, dk, dv, dq32 if atomic else dq, N, N, 0, sc * LOG2E.value, sc, 1,
-                                    HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=bn, EVEN=True,
+                                    HEAD_DIM=d, BLOCK_D=d, CAUSAL=causal, DQ_ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=bn, EVEN=True,
                                     num_warps=w, num_stages=s)
                             go()
                             line[tag] = round(bench_ms(go), 4)
@@ -300,7 +300,7 @@ def sweep():
                         def go():
                             tb._bwd_dq[(triton.cdiv(N, bm), B * H)](
                                 q, k, v, do, lse2, delta, dq, N, N, 0, sc * LOG2E.value, sc, 1,
-                                HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)
+                                HEAD_DIM=d, BLOCK_D=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)
                         go()
                         line[tag] = round(bench_ms(go), 4)
                     except Exception as e:

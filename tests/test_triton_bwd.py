@@ -114,6 +114,28 @@ def test_backward_gqa_matches_float64_autograd(B, H, Hkv, N, Nk, d, causal, alig
     _report("dq", dq, dq_ref, _tol(dtype))
 
 
+HEAD_DIM_CASES = [
+    # B, H, Hkv, N, Nk, d, causal, align, dq_mode: head dims computed in padded tiles, masked along d
+    (1, 2, 1, 19, 23, 8, True, "top_left", "separate"),  # d = 8 (16 wide), GQA
+    (1, 2, 2, 21, 17, 40, True, "bottom_right", "separate"),  # d = 40 (64 wide), rows that see nothing
+    (1, 2, 1, 17, 20, 80, False, "top_left", "atomic"),  # d = 80 (128 wide), GQA, atomic dQ (masked along d)
+    (1, 1, 1, 16, 16, 96, True, "top_left", "separate"),  # d = 96, even tiles: the unmasked loops masked along d
+    (1, 2, 1, 9, 11, 256, True, "bottom_right", "separate"),  # d = 256: the widest, one tiny case
+]
+
+
+@pytest.mark.parametrize("B,H,Hkv,N,Nk,d,causal,align,dq_mode", HEAD_DIM_CASES)
+def test_backward_any_head_dim(B, H, Hkv, N, Nk, d, causal, align, dq_mode):
+    dtype = DTYPES[0]
+    q, k, v, do = _inputs(B, H, N, Nk, d, dtype, seed=d + N, Hkv=Hkv)
+    o, lse = flash_attn_triton(q, k, v, causal=causal, align=align)
+    dq, dk, dv = flash_attn_bwd_triton(do, q, k, v, o, lse, causal=causal, align=align, dq_mode=dq_mode)
+    _, dq_ref, dk_ref, dv_ref = reference_grads(q, k, v, do, causal, align, 1.0 / math.sqrt(d))
+    _report("dv", dv, dv_ref, _tol(dtype))
+    _report("dk", dk, dk_ref, _tol(dtype))
+    _report("dq", dq, dq_ref, _tol(dtype))
+
+
 def test_gqa_separate_mode_is_deterministic():
     """dk, dv summed over the group in registers (no atomics): two runs give the same bits."""
     q, k, v, do = _inputs(1, 4, 20, 20, 16, DTYPES[0], seed=3, Hkv=1)
@@ -183,6 +205,9 @@ def test_validation_messages():
         flash_attention(q3, k3, v3)
     with pytest.raises(ValueError, match="must be a multiple of Hkv = 3"):
         flash_attn_bwd_triton(do, q3[:, :2], k3, v3, o, lse)
+    q12, k12, v12, _ = _inputs(1, 1, 4, 4, 12, DTYPES[0], seed=0)
+    with pytest.raises(ValueError, match="head dimension d must be a multiple of 8 from 8 to 256.*got 12"):
+        flash_attention(q12, k12, v12)
     with pytest.raises(ValueError, match=r"k must be \[B, Hkv, Nk, d\]"):
         flash_attention(q, k[:, :, :, :8].contiguous(), v[:, :, :, :8].contiguous())
 

@@ -101,6 +101,12 @@ def test_varlen_matches_sdpa_per_sequence(case, causal, dtype):
     _check_all(lens_q, lens_k, H, Hkv, d, causal, dtype, seed=len(case))
 
 
+def test_varlen_head_dim_80():
+    """d = 80: computed 128 wide and masked along d; with Hkv = 2 a padded column must not read the next KV
+    head's values (they sit right after this head's 80 columns in the packed rows)."""
+    _check_all([5, 0, 1, 21], [9, 2, 0, 21], 4, 2, 80, True, DTYPES[0], seed=80)
+
+
 @pytest.mark.skipif(TensorDescriptor is None, reason="this Triton has no host tensor descriptors")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_other_load_path(causal):

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .common import LOG2E, SHAPES, TensorDescriptor, _check_head_dim, _check_qkv, prune_for_device, tile_configs
+from .common import (LOG2E, SHAPES, TensorDescriptor, _check_head_dim, _check_qkv, head_block, prune_for_device,
+                     tile_configs)
 from .forward import _attn_fwd_rows, _check_use_tma, _set_kv_block_shape, _use_tma_default
 
 __all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m"]
@@ -93,6 +94,7 @@ def _attn_fwd_varlen(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     total_q, H, Hkv, qk_scale,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM): the columns past HEAD_DIM are masked
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -115,8 +117,9 @@ def _attn_fwd_varlen(
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows, counted from the sequence's first
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    offs_d = tl.arange(0, BLOCK_D)  # [D]
     row_ok = offs_m < N  # [BLOCK_M]
+    io_ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_M, D]
 
     q_base = Q + q_beg.to(tl.int64) * stride_qt + off_h.to(tl.int64) * stride_qh
     k_base = K + k_beg.to(tl.int64) * stride_kt + off_hkv.to(tl.int64) * stride_kh
@@ -124,7 +127,7 @@ def _attn_fwd_varlen(
     o_base = O + q_beg.to(tl.int64) * stride_ot + off_h.to(tl.int64) * stride_oh
     k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D]
     v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]  # [BLOCK_N, D]
-    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=io_ok, other=0.0)  # [BLOCK_M, D]
 
     # TMA: this sequence's keys of KV head off_hkv start at row k_beg, column off_hkv * D. A masked tile
     # may run into the next sequence's rows: their scores are masked to -inf and their values zeroed, so
@@ -132,10 +135,10 @@ def _attn_fwd_varlen(
     acc, lse = _attn_fwd_rows(
         q, k_ptrs, v_ptrs, stride_kt, stride_vt, desc_k, desc_v, k_beg, off_hkv * HEAD_DIM,
         start_m, offs_m, offs_n, qk_scale, Nk, diag,
-        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA,
     )
     tl.store(LSE + off_h.to(tl.int64) * total_q + q_beg + offs_m, lse, mask=row_ok)
-    tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty), mask=io_ok)
 
 
 # ----------------------------------------------------------------------------
@@ -154,7 +157,8 @@ _VARLEN_SHAPES = {
 
 
 def _d_class(d):
-    return 64 if d <= 64 else d
+    """The configuration class of head dim d: its padded width, with everything up to 64 in one class."""
+    return max(64, head_block(d))
 
 
 def _varlen_shapes(d):
@@ -303,7 +307,7 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         total_q, H, Hkv, qk_scale,
     )
     grid = (seq_idx.numel(), H)
-    meta = dict(HEAD_DIM=d, CAUSAL=causal, USE_TMA=bool(use_tma))
+    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), CAUSAL=causal, USE_TMA=bool(use_tma))
     if config is not None:
         cfg = dict(config)
         if use_tma:
