@@ -268,9 +268,9 @@ def sweep():
                 flops = 2.5 * 4 * B * H * N * N * d / (2 if causal else 1)
                 delta = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
                 lse2 = torch.empty_like(delta)
-                tb._bwd_preprocess[(triton.cdiv(N, 64), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d, BLOCK_M=64, BLOCK_D=d)
+                tb._bwd_preprocess[(triton.cdiv(N, 64), B * H)](o, do, lse, delta, lse2, N, N * d, d, HEAD_DIM=d, BLOCK_M=64, BLOCK_D=d)
                 pre_ms = bench_ms(lambda: tb._bwd_preprocess[(triton.cdiv(N, 64), B * H)](
-                    o, do, lse, delta, lse2, N, HEAD_DIM=d, BLOCK_M=64, BLOCK_D=d))
+                    o, do, lse, delta, lse2, N, N * d, d, HEAD_DIM=d, BLOCK_M=64, BLOCK_D=d))
                 line = {"d": d, "causal": causal, "N": N, "B": B, "H": H, "preprocess_ms": round(pre_ms, 4)}
                 dk, dv = torch.empty_like(k), torch.empty_like(v)
                 dq = torch.empty_like(q)

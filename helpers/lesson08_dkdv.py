@@ -75,7 +75,7 @@ def dkdv_teaching(q, k, v, do, inner, causal=False, sm_scale=None, *, o=None, ls
     do = do.to(q.dtype).contiguous()
     delta = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N]
     lse2 = torch.empty_like(delta)  # [B, H, N]
-    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d,
+    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, N * d, d, HEAD_DIM=d,
                                                            BLOCK_M=_PRE_BLOCK_M, BLOCK_D=d)
     bm, bn = block or ((16, 16) if interpreting() else (64, 64))
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # [B, H, Nk, d]

@@ -277,6 +277,34 @@ def varlen_jobs(cc, dtypes):
     return jobs
 
 
+VARLEN_BWD_TARGETS = (90, 86, 75)  # the configuration the launcher picks (the first that fits): sm_86/89 and a T4 prune
+
+
+def varlen_bwd_jobs(cc, dtypes):
+    """The packed backward's two kernels in the configuration ``varlen_bwd_configs`` picks on sm_cc (the first
+    of the dense tile set that fits): d = 128, or d = 64 where nothing fits at 128 (a T4)."""
+    import helpers.kernels.varlen_backward as tvb
+    if cc not in VARIANT_TARGETS + VARLEN_BWD_TARGETS:
+        return []
+    jobs = []
+    for kind, fn, label in (("dkdv", tvb._bwd_dkdv_varlen, "varlen backward dK/dV"),
+                            ("dq", tvb._bwd_dq_varlen, "varlen backward dQ")):
+        try:
+            d, cfg = 128, _configs(kind, 128, "fp16", cc)[0]
+        except ValueError:
+            d, cfg = 64, _configs(kind, 64, "fp16", cc)[0]
+
+        def build(fn=fn, cfg=cfg, d=d, kind=kind, dtype="fp16"):
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", SEQ_IDX="i32", CU_Q="i32",
+                        CU_K="i32", **(dict(DK=dtype, DV=dtype, K_START="i32") if kind == "dkdv"
+                                       else dict(DQ=dtype, Q_START="i32")))
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
+                HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True))
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job(label, f"fp16 d={d} causal {_cfg_label(cfg)}", build, _meta(kind, cfg, d, "fp16", cc)))
+    return jobs
+
+
 # ------------------------------------------------------------------ the teaching kernels and the worked notebooks
 def notebook_ns(name):
     from tests.conftest import notebook_namespace
@@ -392,6 +420,8 @@ KERNELS = {
     "backward dQ": bwd_jobs,
     "backward dQ cast": bwd_jobs,
     "varlen forward": varlen_jobs,
+    "varlen backward dK/dV": varlen_bwd_jobs,
+    "varlen backward dQ": varlen_bwd_jobs,
     "notebook 07 attn_fwd": lesson07_jobs,
     "notebook 07 decode_split": lesson07_jobs,
     "notebook 07 decode_combine": lesson07_jobs,
@@ -401,10 +431,11 @@ KERNELS = {
     "planted kernels of the tests": planted_jobs,
 }
 ONLY_SM90 = {"planted kernels of the tests"}  # run only in the maintainers' GPU test runs (an H200)
+SOME_TARGETS = {"varlen backward dK/dV": VARLEN_BWD_TARGETS, "varlen backward dQ": VARLEN_BWD_TARGETS}
 
 
 def kernels_for(cc):
-    return [k for k in KERNELS if cc == 90 or k not in ONLY_SM90]
+    return [k for k in KERNELS if (cc == 90 or k not in ONLY_SM90) and cc in SOME_TARGETS.get(k, (cc,))]
 
 
 def jobs_for(cc, kernels):

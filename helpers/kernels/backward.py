@@ -55,16 +55,16 @@ DEFAULT_DQ_MODE = "separate"
 
 
 @triton.jit(do_not_specialize=["N"])
-def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, N, stride_oh, stride_om, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_D: tl.constexpr):
-    # grid = (cdiv(N, BLOCK_M), B * H); all tensors contiguous: O, DO [B*H, N, HEAD_DIM]; LSE, DELTA, LSE2 [B*H, N]
-    # (the packed layout too: O, DO [total_q * H, HEAD_DIM] rows and LSE [H, total_q] line up as B = 1, N = H * total_q)
+    # grid = (cdiv(N, BLOCK_M), B * H). O, DO: row n of head bh at bh * stride_oh + n * stride_om (dense
+    # [B, H, N, d]: N * d and d; packed [total_q, H, d]: d and H * d); LSE, DELTA, LSE2 [B*H, N] contiguous
     off_bh = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)  # [D]; columns past HEAD_DIM masked
     ok = rows < N
     io_ok = ok[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_M, D]
-    ptrs = off_bh * N * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_M, D]
+    ptrs = off_bh * stride_oh + rows[:, None] * stride_om + offs_d[None, :]  # [BLOCK_M, D]
     o = tl.load(O + ptrs, mask=io_ok, other=0.0).to(tl.float32)
     do = tl.load(DO + ptrs, mask=io_ok, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)  # [BLOCK_M]
@@ -134,6 +134,66 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
+@triton.jit
+def _bwd_dkdv_group(
+    dk, dv, k, v,  # [BLOCK_N, D] fp32 accumulators; this program's keys and values
+    Q, DO, LSE2, DELTA, DQ,  # base pointers of the group's first query head (its row 0)
+    stride_qh, stride_lh,  # from one query head to the next: in Q, DO, DQ; in LSE2, DELTA
+    stride_qm,  # from one query row to the next in Q, DO, DQ
+    GROUP, start_n, offs_n, N, Nk, diag, qk_scale, sm_scale,  # start_n: this block's first key (of this sequence)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    EVEN: tl.constexpr,  # N a multiple of BLOCK_M and Nk of BLOCK_N (False: both ragged loops are in the code)
+):
+    """dK, dV of one block of BLOCK_N keys from the GROUP query heads that read its KV head, one head after the
+    other, summed in the accumulators. Shared by the dense kernel and the packed variable-length one
+    (helpers/kernels/varlen_backward.py): the caller finds the keys and the heads' pointers."""
+    # Row classes for this key block (the same for every query head). Row i sees key j when j <= i + diag.
+    # Masked: rows [m_lo, off_lo) (the band) and [off_hi, N) (the ragged row tail);
+    # no mask: [off_lo, off_hi), whole query blocks that see every key of a whole key block.
+    # Rows < m_lo see none of these keys: never visited.
+    N_full = (N // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        m_lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M  # block of the first row that sees key start_n
+        r_all = tl.maximum(start_n + BLOCK_N - 1 - diag, 0)  # rows >= this see every key of the block
+        m_mid = ((r_all + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_mid = 0
+    m_lo = tl.minimum(m_lo, N_full + BLOCK_M)
+    if start_n + BLOCK_N <= Nk:
+        off_lo = tl.minimum(tl.maximum(m_mid, m_lo), N_full)
+        off_hi = tl.maximum(N_full, off_lo)
+    else:  # the ragged last key block: every tile masked
+        off_lo = tl.minimum(m_lo, N_full)
+        off_hi = off_lo
+    tail_lo = tl.maximum(off_hi, m_lo)
+
+    q_base, do_base, dq_base, lse2_base, delta_base = Q, DO, DQ, LSE2, DELTA
+    for g in range(0, GROUP):  # the group's query heads, one after the other
+        if CAUSAL or not EVEN:  # not causal and even: the band is empty, so the loop is left out
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qm,
+                                     m_lo, off_lo, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qm,
+                                 off_lo, off_hi, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, DQ_ATOMIC)
+        if not EVEN:  # the ragged row tail
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qm,
+                                     tail_lo, N, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+        q_base += stride_qh  # the next head (pointer steps: no int32 product of the head index and its stride)
+        do_base += stride_qh
+        dq_base += stride_qh
+        lse2_base += stride_lh
+        delta_base += stride_lh
+    return dk, dv
+
+
 # EVEN: N a multiple of BLOCK_M and Nk of BLOCK_N, known when the kernel is compiled, so the loops for
 # ragged edges are not in the code at all (not just empty at run time). N and Nk are specialised on
 # (Triton records whether each is divisible by 16): on an H200 that made the dK/dV kernel 11-14% faster
@@ -171,45 +231,10 @@ def _bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Row classes for this key block (the same for every query head). Row i sees key j when j <= i + diag.
-    # Masked: rows [m_lo, off_lo) (the band) and [off_hi, N) (the ragged row tail);
-    # no mask: [off_lo, off_hi), whole query blocks that see every key of a whole key block.
-    # Rows < m_lo see none of these keys: never visited.
-    N_full = (N // BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        m_lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M  # block of the first row that sees key start_n
-        r_all = tl.maximum(start_n + BLOCK_N - 1 - diag, 0)  # rows >= this see every key of the block
-        m_mid = ((r_all + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-    else:
-        m_lo = 0
-        m_mid = 0
-    m_lo = tl.minimum(m_lo, N_full + BLOCK_M)
-    if start_n + BLOCK_N <= Nk:
-        off_lo = tl.minimum(tl.maximum(m_mid, m_lo), N_full)
-        off_hi = tl.maximum(N_full, off_lo)
-    else:  # the ragged last key block: every tile masked
-        off_lo = tl.minimum(m_lo, N_full)
-        off_hi = off_lo
-    tail_lo = tl.maximum(off_hi, m_lo)
-
-    for g in range(0, GROUP):  # query head off_bkv * GROUP + g = b * H + kv head * GROUP + g
-        off_bh = off_bkv * GROUP + g
-        q_base = Q + off_bh * N * HEAD_DIM
-        do_base = DO + off_bh * N * HEAD_DIM
-        dq_base = DQ + off_bh * N * HEAD_DIM
-        lse2_base = LSE2 + off_bh * N
-        delta_base = DELTA + off_bh * N
-        if CAUSAL or not EVEN:  # not causal and even: the band is empty, so the loop is left out
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, HEAD_DIM,
-                                     m_lo, off_lo, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                                     HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, HEAD_DIM,
-                                 off_lo, off_hi, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, DQ_ATOMIC)
-        if not EVEN:  # the ragged row tail
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, HEAD_DIM,
-                                     tail_lo, N, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                                     HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+    dk, dv = _bwd_dkdv_group(dk, dv, k, v, Q + off_bkv * GROUP * N * HEAD_DIM, DO + off_bkv * GROUP * N * HEAD_DIM,
+                             LSE2 + off_bkv * GROUP * N, DELTA + off_bkv * GROUP * N, DQ + off_bkv * GROUP * N * HEAD_DIM,
+                             N * HEAD_DIM, N, HEAD_DIM, GROUP, start_n, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, DQ_ATOMIC, EVEN)
 
     dk = dk * sm_scale  # dS was taken w.r.t. S = q k^T * sm_scale
     tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=kv_ok)
@@ -259,6 +284,34 @@ def _bwd_dq_inner(
     return dq
 
 
+@triton.jit
+def _bwd_dq_rows(
+    dq, q, do, lse2, delta, K, V, stride_kn,  # as in _bwd_dq_inner
+    start_m, offs_m, Nk, diag, qk_scale,  # start_m: the block's index within its sequence
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """dQ of one block of query rows over keys [0, Nk) in the forward's tile classes. Shared by the dense kernel
+    and the packed variable-length one."""
+    if CAUSAL:  # as in the forward: [0, band_lo) no mask, [band_lo, band_hi) masked, the rest never visited
+        first_row_end = tl.minimum(tl.maximum(start_m * BLOCK_M + diag + 1, 0), Nk)
+        band_lo = (first_row_end // BLOCK_N) * BLOCK_N
+        band_hi = tl.minimum(tl.maximum(start_m * BLOCK_M + BLOCK_M + diag, 0), Nk)
+    else:
+        band_lo = (Nk // BLOCK_N) * BLOCK_N
+        band_hi = Nk
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, 0, band_lo, offs_m, Nk, diag, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL)
+    if CAUSAL or not EVEN:  # not causal and even: nothing is masked, the loop is left out
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, band_lo, band_hi, offs_m, Nk, diag, qk_scale,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL)
+    return dq
+
+
 @triton.jit(do_not_specialize=["diag"])
 def _bwd_dq(
     Q, K, V, DO, LSE2, DELTA, DQ,
@@ -290,18 +343,8 @@ def _bwd_dq(
     off_bkv = off_bh // GROUP
     k_base = K + off_bkv * Nk * HEAD_DIM
     v_base = V + off_bkv * Nk * HEAD_DIM
-    if CAUSAL:  # as in the forward: [0, band_lo) no mask, [band_lo, band_hi) masked, the rest never visited
-        first_row_end = tl.minimum(tl.maximum(start_m * BLOCK_M + diag + 1, 0), Nk)
-        band_lo = (first_row_end // BLOCK_N) * BLOCK_N
-        band_hi = tl.minimum(tl.maximum(start_m * BLOCK_M + BLOCK_M + diag, 0), Nk)
-    else:
-        band_lo = (Nk // BLOCK_N) * BLOCK_N
-        band_hi = Nk
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, HEAD_DIM, 0, band_lo, offs_m, Nk, diag, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL)
-    if CAUSAL or not EVEN:  # not causal and even: nothing is masked, the loop is left out
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, HEAD_DIM, band_lo, band_hi, offs_m, Nk, diag, qk_scale,
-                           HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL)
+    dq = _bwd_dq_rows(dq, q, do, lse2, delta, k_base, v_base, HEAD_DIM, start_m, offs_m, Nk, diag, qk_scale,
+                      HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, EVEN)
     dq = dq * sm_scale
     tl.store(DQ + ptrs, dq.to(DQ.dtype.element_ty), mask=io_ok)
 
@@ -412,7 +455,7 @@ def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, alig
 
     delta = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N] rowsum(dO * O)
     lse2 = torch.empty_like(delta)  # [B, H, N] lse in base 2, +inf on empty rows
-    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d,
+    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, N * d, d, HEAD_DIM=d,
                                                            BLOCK_M=_PRE_BLOCK_M, BLOCK_D=head_block(d))
     dk = torch.empty_like(k)  # [B, Hkv, Nk, d]
     dv = torch.empty_like(v)  # [B, Hkv, Nk, d]

@@ -220,27 +220,8 @@ def _check_cu_values(name, cu, total, max_seqlen, total_name, max_name):
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than sequence {b}'s length {longest}")
 
 
-def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                             sm_scale=None, *, validate=True, block_map=None, use_tma=None, config=None):
-    """Attention over packed sequences of different lengths: returns ``(O, lse)``.
-
-    q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv (query head h reads KV head
-    h // (H // Hkv)). cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device, 0 then the cumulative
-    lengths: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k, v[cu_seqlens_k[b]:
-    cu_seqlens_k[b + 1]]. Lengths may be 0 and may differ between q and k. max_seqlen_q, max_seqlen_k:
-    at least the longest lengths (the library's arguments; checked, not needed for the grid).
-
-    O: [total_q, H, d] in q's dtype; lse: [H, total_q] float32, natural log. causal: bottom-right per
-    sequence, row i of a sequence with lengths (n, nk) sees key j when j <= i + nk - n (the library's
-    convention); a row that sees no key (n > nk, or nk = 0) gets O = 0, lse = -inf.
-
-    validate: check the cu_seqlens values (0 first, non-decreasing, ending at total_q / total_k, within
-    max_seqlen): one copy to the host, a sync. False skips it (nothing then waits for the GPU; wrong
-    values give wrong results). block_map: the grid's map, ``varlen_block_map(cu_seqlens_q,
-    varlen_block_m(d), total_q)``, built once and passed to every layer's call of one batch (the
-    layers share cu_seqlens); None builds it here (about 25 small torch ops). ``use_tma`` and
-    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; None autotunes.
-    """
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, validate):
+    """The checks of the packed layout (the forward's and the backward's): returns (total_q, H, d, total_k, Hkv, B)."""
     _check_qkv(q, k, v, (3, 3, 3))
     total_q, H, d = q.shape
     total_k, Hkv, dk = k.shape
@@ -268,6 +249,32 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         both = torch.cat([cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)]).tolist()
         _check_cu_values("cu_seqlens_q", both[:B + 1], total_q, max_seqlen_q, "total_q (q.shape[0])", "max_seqlen_q")
         _check_cu_values("cu_seqlens_k", both[B + 1:], total_k, max_seqlen_k, "total_k (k.shape[0])", "max_seqlen_k")
+    return total_q, H, d, total_k, Hkv, B
+
+
+def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                             sm_scale=None, *, validate=True, block_map=None, use_tma=None, config=None):
+    """Attention over packed sequences of different lengths: returns ``(O, lse)``.
+
+    q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv (query head h reads KV head
+    h // (H // Hkv)). cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device, 0 then the cumulative
+    lengths: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k, v[cu_seqlens_k[b]:
+    cu_seqlens_k[b + 1]]. Lengths may be 0 and may differ between q and k. max_seqlen_q, max_seqlen_k:
+    at least the longest lengths (the library's arguments; checked, not needed for the grid).
+
+    O: [total_q, H, d] in q's dtype; lse: [H, total_q] float32, natural log. causal: bottom-right per
+    sequence, row i of a sequence with lengths (n, nk) sees key j when j <= i + nk - n (the library's
+    convention); a row that sees no key (n > nk, or nk = 0) gets O = 0, lse = -inf.
+
+    validate: check the cu_seqlens values (0 first, non-decreasing, ending at total_q / total_k, within
+    max_seqlen): one copy to the host, a sync. False skips it (nothing then waits for the GPU; wrong
+    values give wrong results). block_map: the grid's map, ``varlen_block_map(cu_seqlens_q,
+    varlen_block_m(d), total_q)``, built once and passed to every layer's call of one batch (the
+    layers share cu_seqlens); None builds it here (about 25 small torch ops). ``use_tma`` and
+    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; None autotunes.
+    """
+    total_q, H, d, total_k, Hkv, B = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                          max_seqlen_k, causal, validate)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     qk_scale = float(sm_scale) * LOG2E.value  # scores in base-2 units
