@@ -71,14 +71,14 @@ def _warm_one(job):
     q, k, v, do, dk, dv = (torch.empty(1, 1, N, d, device="cuda", dtype=dt) for _ in range(6))
     lse2, delta = (torch.empty(1, 1, N, device="cuda", dtype=torch.float32) for _ in range(2))
     bm, bn, w, s = cfg
-    meta = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)  # N = 1024
+    meta = dict(HEAD_DIM=d, BLOCK_D=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)  # N = 1024
     try:
         if kind == "dkdv":
             dq = torch.empty(1, 1, N, d, device="cuda", dtype=torch.float32 if atomic else dt)
-            tbw._bwd_dkdv.warmup(q, k, v, do, lse2, delta, dk, dv, dq, N, N, 0, 0.1, 0.1, DQ_ATOMIC=atomic,
+            tbw._bwd_dkdv.warmup(q, k, v, do, lse2, delta, dk, dv, dq, N, N, 0, 0.1, 0.1, 1, DQ_ATOMIC=atomic,
                                  grid=(1,), **meta)
         else:
-            tbw._bwd_dq.warmup(q, k, v, do, lse2, delta, dk, N, N, 0, 0.1, 0.1, grid=(1,), **meta)
+            tbw._bwd_dq.warmup(q, k, v, do, lse2, delta, dk, N, N, 0, 0.1, 0.1, 1, grid=(1,), **meta)
         return None
     except Exception as e:  # noqa: BLE001
         return f"{job}: {why(e, 200)}"
@@ -218,7 +218,7 @@ def run(quick, save=None, flex="some"):
             row.update(check_grads(q, k, v, do, causal))
             row["triton_tflops"] = tf(time_backward(lambda *a: flash_attention(*a, causal=causal), q, k, v, do))
             row["dq_mode"] = tb.DEFAULT_DQ_MODE
-            for name, kern in (("dkdv", tb._bwd_dkdv_tuned), ("dq", tb._bwd_dq_tuned)):
+            for name, kern in (("dkdv", tb._bwd_dkdv_tuned[tb._d_class(d)]), ("dq", tb._bwd_dq_tuned[tb._d_class(d)])):
                 cfg = getattr(kern, "best_config", None)
                 row[f"config_{name}"] = str(cfg) if cfg is not None else None
         except Exception:
@@ -241,6 +241,115 @@ def run(quick, save=None, flex="some"):
         if save:
             save(rows)
         del q, k, v, do
+    return rows
+
+
+# ----------------------------------------------------------------------------- GQA and head dims (issue 24)
+
+
+def _group_errors(mine, theirs, q, k, v, do, causal, group):
+    """Max error of each gradient on batch 0, KV head 0 and its query group vs float64 autograd (k, v repeated,
+    dk, dv summed back), for ours and SDPA's: {name: (ours, SDPA's)}."""
+    qs, dos = q[:1, :group].double(), do[:1, :group].double()  # [1, g, N, d]
+    ks, vs = (t[:1, :1].double().repeat_interleave(group, dim=1) for t in (k, v))  # [1, g, Nk, d]
+    mask = reference.causal_mask(q.shape[-2], k.shape[-2], "top_left", device=q.device) if causal else None
+    _, _, *refs = reference.attention_grads(qs, ks, vs, dos, mask=mask, scale=1 / math.sqrt(q.shape[-1]))
+    refs = [refs[0][0], refs[1][0].sum(0), refs[2][0].sum(0)]  # dq [g, N, d]; dk, dv [Nk, d]
+    out = {}
+    for name, m, t, r in zip(("dq", "dk", "dv"), mine, theirs, refs):
+        sl = (0, slice(0, group)) if name == "dq" else (0, 0)
+        out[name] = ((m[sl].double() - r).abs().max().item(), (t[sl].double() - r).abs().max().item())
+    return out
+
+
+def gqa_rows(quick):
+    """The backward with grouped-query attention: ours (dK, dV summed over the group in the kernel) vs SDPA's flash
+    backend with enable_gqa=True, and vs our own backward on K, V repeated to H heads (the repeat's backward, a
+    sum, included: that is what repeating costs). bf16, d = 128, H = 32, 32768 tokens a batch."""
+    rows = []
+    for causal in (False, True):
+        for N in ((4096,) if quick else (2048, 4096, 16384)):
+            for Hkv in (8, 4):
+                B, H, d, dt = max(1, 32768 // N), 32, 128, torch.bfloat16
+                group = H // Hkv
+                torch.manual_seed(N + Hkv)
+                q, do = (torch.randn(B, H, N, d, device="cuda", dtype=dt) for _ in range(2))
+                k, v = (torch.randn(B, Hkv, N, d, device="cuda", dtype=dt) for _ in range(2))
+                flops = 2.5 * 4 * B * H * N * N * d / (2 if causal else 1)
+                tf = lambda ms: None if ms is None else round(flops / ms / 1e9, 1)  # noqa: E731
+                row = {"dtype": "bfloat16", "d": d, "causal": causal, "N": N, "B": B, "H": H, "Hkv": Hkv}
+
+                def ours(q, k, v):
+                    return flash_attention(q, k, v, causal=causal)
+
+                def ours_repeated(q, k, v):
+                    return flash_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), causal=causal)
+
+                def sdpa_gqa(q, k, v):
+                    with sdpa_kernel(sdpa_backends()["flash"]):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+                try:
+                    grads = []
+                    for fn in (ours, sdpa_gqa):
+                        a = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                        fn(*a).backward(do)
+                        grads.append([t.grad for t in a])
+                    errs = _group_errors(grads[0], grads[1], q, k, v, do, causal, group)
+                    row["pass"] = all(within_sdpa_error(e, s) for e, s in errs.values())
+                    row["err_ratio"] = round(max(e / max(s, ERR_FLOOR) for e, s in errs.values()), 3)
+                    row["grad_err"] = {n: [float(f"{e:.3g}"), float(f"{s:.3g}")] for n, (e, s) in errs.items()}
+                    del grads
+                except Exception:
+                    traceback.print_exc()
+                    row["pass"] = False
+                for name, fn in (("triton", ours), ("triton_repeated_kv", ours_repeated), ("sdpa_flash_gqa", sdpa_gqa)):
+                    try:
+                        row[f"{name}_tflops"] = tf(time_backward(fn, q, k, v, do))
+                    except Exception as e:
+                        log(f"    {name} refused: {why(e)}")
+                        row[f"{name}_tflops"] = None
+                t, r, sd = row.get("triton_tflops"), row.get("triton_repeated_kv_tflops"), row.get("sdpa_flash_gqa_tflops")
+                row["vs_sdpa"] = round(t / sd, 3) if t and sd else None
+                row["vs_repeated"] = round(t / r, 3) if t and r else None
+                log("  gqa", json.dumps(row))
+                rows.append(row)
+                del q, k, v, do
+    return rows
+
+
+def head_dim_rows(quick):
+    """Head dims that are not a power of two (80, 96) and 256, next to 64 and 128 (the issue's target: within 0.8x of
+    the next power of two's TFLOP/s), ours vs SDPA's flash backward; bf16, H = 16, 32768 tokens a batch."""
+    rows = []
+    for causal in (False, True):
+        for N in ((4096,) if quick else (2048, 8192)):
+            for d in (64, 80, 96, 128, 256):
+                B, H, dt = max(1, 32768 // N), 16, torch.bfloat16
+                torch.manual_seed(N + d)
+                q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=dt) for _ in range(4))
+                flops = 2.5 * 4 * B * H * N * N * d / (2 if causal else 1)
+                tf = lambda ms: None if ms is None else round(flops / ms / 1e9, 1)  # noqa: E731
+                row = {"dtype": "bfloat16", "d": d, "causal": causal, "N": N, "B": B, "H": H}
+                try:
+                    row.update(check_grads(q, k, v, do, causal))
+                    row["triton_tflops"] = tf(time_backward(lambda *a: flash_attention(*a, causal=causal), q, k, v, do))
+                except Exception:
+                    traceback.print_exc()
+                    row.update({"pass": False, "triton_tflops": None})
+                try:
+                    row["sdpa_flash_tflops"] = tf(time_backward(sdpa_fwd("flash", causal), q, k, v, do))
+                except Exception as e:
+                    log(f"    sdpa flash refused: {why(e)}")
+                    row["sdpa_flash_tflops"] = None
+                log("  head dim", json.dumps(row))
+                rows.append(row)
+                del q, k, v, do
+    by = {(r["causal"], r["N"], r["d"]): r.get("triton_tflops") for r in rows}
+    for r in rows:  # the target: >= 0.8 x the TFLOP/s of the next power of two
+        nxt = {80: 128, 96: 128}.get(r["d"])
+        base = by.get((r["causal"], r["N"], nxt)) if nxt else None
+        r["vs_next_pow2"] = round(r["triton_tflops"] / base, 3) if base and r.get("triton_tflops") else None
     return rows
 
 
@@ -268,9 +377,9 @@ def sweep():
                 flops = 2.5 * 4 * B * H * N * N * d / (2 if causal else 1)
                 delta = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
                 lse2 = torch.empty_like(delta)
-                tb._bwd_preprocess[(triton.cdiv(N, 64), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d, BLOCK_M=64)
+                tb._bwd_preprocess[(triton.cdiv(N, 64), B * H)](o, do, lse, delta, lse2, N, N * d, d, HEAD_DIM=d, BLOCK_M=64, BLOCK_D=d)
                 pre_ms = bench_ms(lambda: tb._bwd_preprocess[(triton.cdiv(N, 64), B * H)](
-                    o, do, lse, delta, lse2, N, HEAD_DIM=d, BLOCK_M=64))
+                    o, do, lse, delta, lse2, N, N * d, d, HEAD_DIM=d, BLOCK_M=64, BLOCK_D=d))
                 line = {"d": d, "causal": causal, "N": N, "B": B, "H": H, "preprocess_ms": round(pre_ms, 4)}
                 dk, dv = torch.empty_like(k), torch.empty_like(v)
                 dq = torch.empty_like(q)
@@ -285,8 +394,8 @@ def sweep():
                                 if atomic:
                                     dq32.zero_()
                                 tb._bwd_dkdv[(triton.cdiv(N, bn), B * H)](
-                                    q, k, v, do, lse2, delta, dk, dv, dq32 if atomic else dq, N, N, 0, sc * LOG2E.value, sc,
-                                    HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=bn, EVEN=True,
+                                    q, k, v, do, lse2, delta, dk, dv, dq32 if atomic else dq, N, N, 0, sc * LOG2E.value, sc, 1,
+                                    HEAD_DIM=d, BLOCK_D=d, CAUSAL=causal, DQ_ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=bn, EVEN=True,
                                     num_warps=w, num_stages=s)
                             go()
                             line[tag] = round(bench_ms(go), 4)
@@ -299,8 +408,8 @@ def sweep():
                     try:
                         def go():
                             tb._bwd_dq[(triton.cdiv(N, bm), B * H)](
-                                q, k, v, do, lse2, delta, dq, N, N, 0, sc * LOG2E.value, sc,
-                                HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)
+                                q, k, v, do, lse2, delta, dq, N, N, 0, sc * LOG2E.value, sc, 1,
+                                HEAD_DIM=d, BLOCK_D=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, EVEN=True)
                         go()
                         line[tag] = round(bench_ms(go), 4)
                     except Exception as e:
@@ -393,6 +502,9 @@ def main():
     ap.add_argument("--no-ragged", action="store_true")
     ap.add_argument("--flex-check", action="store_true", help="only FlexAttention dynamic vs static, one shape")
     ap.add_argument("--ragged-only", action="store_true", help="only the ragged correctness checks")
+    ap.add_argument("--gqa-head-dims", action="store_true",
+                    help="only the GQA rows (vs SDPA enable_gqa and vs repeated K/V) and the d = 80, 96, 256 rows: "
+                         "sections backward_gqa and backward_head_dims")
     ap.add_argument("--flex", choices=["all", "some", "none"], default="some",
                     help="which rows time FlexAttention (one compile per shape): some = bf16, N 4096 and 16384")
     args = ap.parse_args()
@@ -412,6 +524,17 @@ def main():
         res.update(run_meta(gpu))
         write_json(os.path.join(args.out, f"{stem}_bwd_sweep.json"), res)
         log(f"sweep done in {time.time() - t0:.0f}s")
+        return
+    if args.gqa_head_dims:
+        path = results_path(gpu, args.out)
+        meta = run_meta(gpu, dq_mode=tb.DEFAULT_DQ_MODE,
+                        timing=f"o.backward(do) alone, {TIMING}; FLOPs = 2.5 x 4*B*H*N^2*d, halved when causal",
+                        rule="each gradient's max error vs float64 autograd <= 2 x SDPA's + 1e-5 (GQA: batch 0, "
+                             "KV head 0 and its query group)")
+        write_section("backward_gqa", gqa_rows(args.quick), meta, path)
+        log(f"gqa rows done at {time.time() - t0:.0f}s")
+        write_section("backward_head_dims", head_dim_rows(args.quick), meta, path)
+        log(f"done in {time.time() - t0:.0f}s; wrote {path}")
         return
     atomics = (False, True) if not args.no_ragged else (tb.DEFAULT_DQ_MODE == "atomic",)
     jobs = [("dkdv", dt, d, c, a, cfg) for dt in DT for d in (64, 128) for c in (False, True) for a in atomics

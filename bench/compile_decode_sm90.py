@@ -37,7 +37,7 @@ def compile_variant(dtype="fp16", page=0, head_major=False, varlen=True, causal=
             "Counter": "i32", "SeqLens": "i32", "BlockTable": "i32"}
     sig = {n: ("*" + ptrs[n]) if n in ptrs else "i32" if n in RUNTIME_INTS else "fp32" if n == "qk_scale"
            else "constexpr" for n in fn.arg_names}
-    const = dict(HKV=hkv, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_DIM=d,
+    const = dict(HKV=hkv, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_DIM=d, BLOCK_D=d,
                  HEAD_MAJOR=head_major, PAGE=page, VARLEN=varlen, CAUSAL=causal, DIRECT=direct)
     # what Triton's launcher would specialise: 16-byte aligned pointers, stride_kb a multiple of 16
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptrs) + ["stride_kb"]}

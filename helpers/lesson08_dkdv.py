@@ -61,7 +61,11 @@ def dkdv_teaching(q, k, v, do, inner, causal=False, sm_scale=None, *, o=None, ls
     """
     if not isinstance(inner, triton.runtime.JITFunction) and not hasattr(inner, "fn"):
         raise TypeError("inner must be a @triton.jit function (decorate your dkdv_inner with @triton.jit)")
-    B, H, N, Nk, d = _check_inputs(q, k, v, bool(causal), "top_left")
+    B, H, Hkv, N, Nk, d = _check_inputs(q, k, v, bool(causal), "top_left")
+    if Hkv != H:
+        raise ValueError(f"dkdv_teaching takes k, v with q's {H} heads (no grouped-query attention); got {Hkv}")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"dkdv_teaching takes a head dim that is a power of two >= 16; got {d}")
     if tuple(do.shape) != tuple(q.shape):
         raise ValueError(f"do must have q's shape {tuple(q.shape)}, got {tuple(do.shape)}")
     if sm_scale is None:
@@ -71,8 +75,8 @@ def dkdv_teaching(q, k, v, do, inner, causal=False, sm_scale=None, *, o=None, ls
     do = do.to(q.dtype).contiguous()
     delta = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N]
     lse2 = torch.empty_like(delta)  # [B, H, N]
-    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d,
-                                                           BLOCK_M=_PRE_BLOCK_M)
+    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, N * d, d, HEAD_DIM=d,
+                                                           BLOCK_M=_PRE_BLOCK_M, BLOCK_D=d)
     bm, bn = block or ((16, 16) if interpreting() else (64, 64))
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # [B, H, Nk, d]
     _teach_dkdv[(triton.cdiv(Nk, bn), B * H)](q, k, v, do, lse2, delta, dk, dv, N, Nk, float(sm_scale) * LOG2E.value,

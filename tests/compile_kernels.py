@@ -105,6 +105,19 @@ def _use_tma(cc, dtype):
     return kc.use_tma_for((cc // 10, cc % 10), _torch_dtype(dtype))
 
 
+def _bd(d):
+    from helpers.kernels.common import head_block
+    return head_block(d)
+
+
+PADDED_D = 80  # a head dim that is not a power of two (computed 128 wide, masked along d): on VARIANT_TARGETS
+
+
+def _padded(cc, kind, variant):
+    """On VARIANT_TARGETS, one compile at d = PADDED_D in the first configuration the launcher keeps there."""
+    return [("fp16", PADDED_D, _configs(kind, PADDED_D, "fp16", cc)[0], variant)] if cc in VARIANT_TARGETS else []
+
+
 def _cfg_label(cfg):
     return " ".join(f"{k}={v}" for k, v in cfg.items())
 
@@ -139,6 +152,7 @@ def _plan(cc, kind, variants):
 def fwd_jobs(cc, dtypes):
     from helpers.kernels import common as kc, decode as kd, forward as kf
     plan = _plan(cc, "fwd", [(True, False), (False, False)])  # (causal, TMA)
+    plan += _padded(cc, "fwd", (True, False))
     if _use_tma(cc, "fp16"):  # TMA keeps Q and more K/V tiles in shared memory: the largest configuration
         cfgs = _configs("fwd", 128, "fp16", cc)
         plan += [("fp16", 128, max(cfgs, key=lambda c: _meta("fwd", c, 128, "fp16", cc)["estimate"]), (True, True))]
@@ -150,7 +164,7 @@ def fwd_jobs(cc, dtypes):
             desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
             sig, const, attrs = signature(
                 fn, dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32"), ("qk_scale",),
-                dict(desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
+                dict(desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
                      CAUSAL=causal, USE_TMA=tma), ints16=("N", "Nk"))
             return fn, sig, const, attrs, cfg
         jobs.append(Job("dense forward", f"{dtype} d={d} {'causal' if causal else 'full'}"
@@ -166,7 +180,8 @@ def decode_jobs(cc, dtypes):
                 ("kvcache contiguous, causal Nq=4 x group 8", False, 0, True, True, False, 8, 4),
                 ("kvcache paged 256, one split", False, 256, True, True, True, 4, 1)]
     jobs = []
-    for dtype, d, cfg, (name, head_major, page, varlen, causal, direct, group, nq) in _plan(cc, "decode", variants):
+    plan = _plan(cc, "decode", variants) + _padded(cc, "decode", variants[0])
+    for dtype, d, cfg, (name, head_major, page, varlen, causal, direct, group, nq) in plan:
         def build(cfg=cfg, d=d, dtype=dtype, head_major=head_major, page=page, varlen=varlen, causal=causal,
                   direct=direct, group=group, nq=nq):
             fn = kd._decode_kernel
@@ -175,7 +190,7 @@ def decode_jobs(cc, dtypes):
                         SeqLens="i32", BlockTable="i32")
             sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
                 HKV=8, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
-                HEAD_DIM=d, HEAD_MAJOR=head_major, PAGE=page, VARLEN=varlen, CAUSAL=causal, DIRECT=direct),
+                HEAD_DIM=d, BLOCK_D=_bd(d), HEAD_MAJOR=head_major, PAGE=page, VARLEN=varlen, CAUSAL=causal, DIRECT=direct),
                 ints16=("Nk", "max_blocks"))
             return fn, sig, const, attrs, cfg
         jobs.append(Job("decode", f"{dtype} d={d} {name} {_cfg_label(cfg)}", build,
@@ -183,15 +198,24 @@ def decode_jobs(cc, dtypes):
     return jobs
 
 
+def _wide(cc, kind, variant):
+    """The backward at d = 256 (its own tile set) in the first configuration the launcher keeps on sm_cc; none
+    where nothing fits (a T4: the launcher raises a clear error, tests/test_compile_targets.py checks it)."""
+    try:
+        return [("fp16", 256, _configs(kind, 256, "fp16", cc)[0], variant)]
+    except ValueError:
+        return []
+
+
 def bwd_jobs(cc, dtypes):
     import helpers.kernels.backward as tb
     jobs = []
     for dtype in dtypes:
-        for d in (64, 128) if cc in VARIANT_TARGETS and dtype == "fp16" else (128,):
+        for d in (64, 128, PADDED_D) if cc in VARIANT_TARGETS and dtype == "fp16" else (128,):
             def pre(d=d, dtype=dtype):
                 fn = tb._bwd_preprocess
                 sig, const, attrs = signature(fn, dict(O=dtype, DO=dtype, LSE="fp32", DELTA="fp32", LSE2="fp32"),
-                                              (), dict(HEAD_DIM=d, BLOCK_M=tb._PRE_BLOCK_M))
+                                              (), dict(HEAD_DIM=d, BLOCK_M=tb._PRE_BLOCK_M, BLOCK_D=_bd(d)))
                 return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
             jobs.append(Job("backward preprocess", f"{dtype} d={d} BLOCK_M={tb._PRE_BLOCK_M}", pre))
 
@@ -202,25 +226,28 @@ def bwd_jobs(cc, dtypes):
         jobs.append(Job("backward dQ cast", f"{dtype} BLOCK=1024", cast))
 
     # (causal, atomic dQ, EVEN): EVEN = N, Nk multiples of the tiles (known when compiled: no ragged loops)
-    for dtype, d, cfg, (causal, atomic, even) in _plan(cc, "dkdv", [(True, False, True), (False, False, True),
-                                                                    (True, False, False), (True, True, True)]):
+    variants = [(True, False, True), (False, False, True), (True, False, False), (True, True, True)]
+    plan = _plan(cc, "dkdv", variants) + _padded(cc, "dkdv", (True, True, False)) + _wide(cc, "dkdv", variants[0])
+    for dtype, d, cfg, (causal, atomic, even) in plan:
         def dkdv(cfg=cfg, d=d, dtype=dtype, causal=causal, atomic=atomic, even=even):
             fn = tb._bwd_dkdv
             ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK=dtype,
                         DV=dtype, DQ="fp32" if atomic else dtype)
             sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
-                HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
+                HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
                 DQ_ATOMIC=atomic, EVEN=even), ints16=("N", "Nk") if even else ())
             return fn, sig, const, attrs, cfg
         jobs.append(Job("backward dK/dV", f"{dtype} d={d} {'causal' if causal else 'full'}"
                         f"{' atomic dQ' if atomic else ''}{'' if even else ' ragged'} {_cfg_label(cfg)}",
                         dkdv, _meta("dkdv", cfg, d, dtype, cc, atomic=atomic)))
-    for dtype, d, cfg, (causal, even) in _plan(cc, "dq", [(True, True), (False, True), (True, False)]):
+    variants = [(True, True), (False, True), (True, False)]
+    for dtype, d, cfg, (causal, even) in (_plan(cc, "dq", variants) + _padded(cc, "dq", (True, False))
+                                          + _wide(cc, "dq", variants[0])):
         def dq(cfg=cfg, d=d, dtype=dtype, causal=causal, even=even):
             fn = tb._bwd_dq
             ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DQ=dtype)
             sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
-                HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, EVEN=even),
+                HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, EVEN=even),
                 ints16=("N", "Nk") if even else ())
             return fn, sig, const, attrs, cfg
         jobs.append(Job("backward dQ", f"{dtype} d={d} {'causal' if causal else 'full'}"
@@ -230,7 +257,7 @@ def bwd_jobs(cc, dtypes):
 
 def varlen_jobs(cc, dtypes):
     import helpers.kernels.varlen as tv
-    plan = _plan(cc, "varlen", [False])  # TMA
+    plan = _plan(cc, "varlen", [False]) + _padded(cc, "varlen", False)  # TMA
     if _use_tma(cc, "fp16"):  # the dense forward's body: its TMA path is compiled in every configuration above
         plan += [("fp16", 128, plan[0][2], True)]
     jobs = []
@@ -242,11 +269,39 @@ def varlen_jobs(cc, dtypes):
             ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", SEQ_IDX="i32", Q_START="i32",
                         CU_Q="i32", CU_K="i32")
             sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
-                desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, CAUSAL=True,
+                desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, CAUSAL=True,
                 USE_TMA=tma))
             return fn, sig, const, attrs, cfg
         jobs.append(Job("varlen forward", f"{dtype} d={d} causal{' TMA' if tma else ''} {_cfg_label(cfg)}",
                         build, _meta("varlen", cfg, d, dtype, cc)))
+    return jobs
+
+
+VARLEN_BWD_TARGETS = (90, 86, 75)  # the configuration the launcher picks (the first that fits): sm_86/89 and a T4 prune
+
+
+def varlen_bwd_jobs(cc, dtypes):
+    """The packed backward's two kernels in the configuration ``varlen_bwd_configs`` picks on sm_cc (the first
+    of the dense tile set that fits): d = 128, or d = 64 where nothing fits at 128 (a T4)."""
+    import helpers.kernels.varlen_backward as tvb
+    if cc not in VARIANT_TARGETS + VARLEN_BWD_TARGETS:
+        return []
+    jobs = []
+    for kind, fn, label in (("dkdv", tvb._bwd_dkdv_varlen, "varlen backward dK/dV"),
+                            ("dq", tvb._bwd_dq_varlen, "varlen backward dQ")):
+        try:
+            d, cfg = 128, _configs(kind, 128, "fp16", cc)[0]
+        except ValueError:
+            d, cfg = 64, _configs(kind, 64, "fp16", cc)[0]
+
+        def build(fn=fn, cfg=cfg, d=d, kind=kind, dtype="fp16"):
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", SEQ_IDX="i32", CU_Q="i32",
+                        CU_K="i32", **(dict(DK=dtype, DV=dtype, K_START="i32") if kind == "dkdv"
+                                       else dict(DQ=dtype, Q_START="i32")))
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
+                HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True))
+            return fn, sig, const, attrs, cfg
+        jobs.append(Job(label, f"fp16 d={d} causal {_cfg_label(cfg)}", build, _meta(kind, cfg, d, "fp16", cc)))
     return jobs
 
 
@@ -365,6 +420,8 @@ KERNELS = {
     "backward dQ": bwd_jobs,
     "backward dQ cast": bwd_jobs,
     "varlen forward": varlen_jobs,
+    "varlen backward dK/dV": varlen_bwd_jobs,
+    "varlen backward dQ": varlen_bwd_jobs,
     "notebook 07 attn_fwd": lesson07_jobs,
     "notebook 07 decode_split": lesson07_jobs,
     "notebook 07 decode_combine": lesson07_jobs,
@@ -374,10 +431,11 @@ KERNELS = {
     "planted kernels of the tests": planted_jobs,
 }
 ONLY_SM90 = {"planted kernels of the tests"}  # run only in the maintainers' GPU test runs (an H200)
+SOME_TARGETS = {"varlen backward dK/dV": VARLEN_BWD_TARGETS, "varlen backward dQ": VARLEN_BWD_TARGETS}
 
 
 def kernels_for(cc):
-    return [k for k in KERNELS if cc == 90 or k not in ONLY_SM90]
+    return [k for k in KERNELS if (cc == 90 or k not in ONLY_SM90) and cc in SOME_TARGETS.get(k, (cc,))]
 
 
 def jobs_for(cc, kernels):

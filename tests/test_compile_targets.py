@@ -112,8 +112,8 @@ import helpers.kernels.backward as tb  # noqa: E402
 import helpers.kernels.varlen as tv  # noqa: E402
 
 # kind -> head dim -> (the autotuner, what its launcher passes besides the tensors)
-TUNED = {"fwd": lambda d: (kf._attn_fwd_tuned, {}), "dkdv": lambda d: (tb._bwd_dkdv_tuned, {}),
-         "dq": lambda d: (tb._bwd_dq_tuned, {}),
+TUNED = {"fwd": lambda d: (kf._attn_fwd_tuned, {}), "dkdv": lambda d: (tb._bwd_dkdv_tuned[tb._d_class(d)], {}),
+         "dq": lambda d: (tb._bwd_dq_tuned[tb._d_class(d)], {}),
          "varlen": lambda d: (tv._attn_fwd_varlen_tuned[tv._d_class(d)],
                               {"BLOCK_M": tv._VARLEN_SHAPES[tv._d_class(d)][0]})}
 
@@ -140,10 +140,10 @@ def test_autotuners_keep_the_configs_that_fit(on_gpu, cc):
     q = on_gpu(cc)
     smem = TARGETS[cc]["smem"]
     for kind, tuned in TUNED.items():
-        for d in (64, 128):
+        for d in (64, 128, 80) + ((256,) if kind in ("dkdv", "dq") else ()):
             tuner, fixed = tuned(d)
             every = [{**fixed, **kc._config_dict(c)} for c in tuner.configs]
-            if cc < 80 and d == 128 and kind in ("dkdv", "dq", "varlen"):  # no configuration fits a T4 there
+            if cc < 80 and d >= 80 and kind in ("dkdv", "dq", "varlen"):  # no configuration fits a T4 there
                 with pytest.raises(ValueError, match=f"no configuration of the {kind} kernel fits .* 64 KB"):
                     tuner.early_config_prune(tuner.configs, {"Q": q}, HEAD_DIM=d, **fixed)
                 continue

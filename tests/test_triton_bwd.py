@@ -21,20 +21,26 @@ from helpers.kernels.backward import flash_attention, flash_attn_bwd_triton  # n
 
 
 
-def _inputs(B, H, N, Nk, d, dtype, seed, scale=2.0):
+def _inputs(B, H, N, Nk, d, dtype, seed, scale=2.0, Hkv=None):
+    Hkv = H if Hkv is None else Hkv
     g = torch.Generator().manual_seed(seed)
     q = (torch.randn(B, H, N, d, generator=g) * scale).to(DEVICE, dtype)
-    k = (torch.randn(B, H, Nk, d, generator=g) * scale).to(DEVICE, dtype)
-    v = torch.randn(B, H, Nk, d, generator=g).to(DEVICE, dtype)
+    k = (torch.randn(B, Hkv, Nk, d, generator=g) * scale).to(DEVICE, dtype)
+    v = torch.randn(B, Hkv, Nk, d, generator=g).to(DEVICE, dtype)
     do = torch.randn(B, H, N, d, generator=g).to(DEVICE, dtype)
     return q, k, v, do
 
 
 def reference_grads(q, k, v, do, causal, align, sm_scale):
     """(O, dq, dk, dv) in float64 on the CPU by autograd (``helpers.reference.attention_grads``); a row with no
-    visible key gives O = 0 and no gradient."""
+    visible key gives O = 0 and no gradient. Grouped-query attention: k, v repeated to q's heads for the
+    reference, and dk, dv summed back over each KV head's group."""
+    group = q.shape[1] // k.shape[1]
+    kr, vr = (t.repeat_interleave(group, dim=1) for t in (k, v))  # [B, H, Nk, d]
     mask = reference.causal_mask(q.shape[-2], k.shape[-2], align) if causal else None  # [N, Nk]
-    o, _, dq, dk, dv = reference.attention_grads(*(t.cpu() for t in (q, k, v, do)), mask=mask, scale=sm_scale)
+    o, _, dq, dk, dv = reference.attention_grads(*(t.cpu() for t in (q, kr, vr, do)), mask=mask, scale=sm_scale)
+    B, Hkv, Nk, d = k.shape
+    dk, dv = (t.view(B, Hkv, group, Nk, d).sum(2) for t in (dk, dv))  # [B, Hkv, Nk, d]
     return o, dq, dk, dv
 
 
@@ -83,6 +89,62 @@ def test_backward_matches_float64_autograd(B, H, N, Nk, d, causal, align, dq_mod
     _report("dq", dq, dq_ref, _tol(dtype))
 
 
+GQA_CASES = [
+    # B, H, Hkv, N, Nk, d, causal, align, dq_mode
+    (1, 2, 1, 21, 37, 16, True, "bottom_right", "separate"),  # group 2, N < Nk
+    (2, 4, 1, 19, 19, 16, True, "top_left", "separate"),  # group 4 (multi-query), B = 2
+    (1, 8, 1, 17, 13, 16, True, "bottom_right", "atomic"),  # group 8, N > Nk: rows that see nothing; atomic dQ
+    (1, 8, 2, 16, 32, 16, False, "top_left", "separate"),  # group 4, two KV heads, even tiles
+    (1, 4, 2, 23, 9, 32, True, "top_left", "atomic"),  # group 2, atomic dQ, key tail
+]
+
+
+@pytest.mark.parametrize("B,H,Hkv,N,Nk,d,causal,align,dq_mode", GQA_CASES)
+def test_backward_gqa_matches_float64_autograd(B, H, Hkv, N, Nk, d, causal, align, dq_mode):
+    """Grouped-query attention: dk, dv of each KV head are the sums over its H // Hkv query heads (the reference
+    repeats k and v and sums back); groups 1 (above), 2, 4 and 8; both dQ modes."""
+    dtype = DTYPES[0]
+    q, k, v, do = _inputs(B, H, N, Nk, d, dtype, seed=H * 11 + Hkv + N, Hkv=Hkv)
+    o, lse = flash_attn_triton(q, k, v, causal=causal, align=align)
+    dq, dk, dv = flash_attn_bwd_triton(do, q, k, v, o, lse, causal=causal, align=align, dq_mode=dq_mode)
+    assert dk.shape == k.shape and dv.shape == v.shape and dq.shape == q.shape
+    _, dq_ref, dk_ref, dv_ref = reference_grads(q, k, v, do, causal, align, 1.0 / math.sqrt(d))
+    _report("dv", dv, dv_ref, _tol(dtype))
+    _report("dk", dk, dk_ref, _tol(dtype))
+    _report("dq", dq, dq_ref, _tol(dtype))
+
+
+HEAD_DIM_CASES = [
+    # B, H, Hkv, N, Nk, d, causal, align, dq_mode: head dims computed in padded tiles, masked along d
+    (1, 2, 1, 19, 23, 8, True, "top_left", "separate"),  # d = 8 (16 wide), GQA
+    (1, 2, 2, 21, 17, 40, True, "bottom_right", "separate"),  # d = 40 (64 wide), rows that see nothing
+    (1, 2, 1, 17, 20, 80, False, "top_left", "atomic"),  # d = 80 (128 wide), GQA, atomic dQ (masked along d)
+    (1, 1, 1, 16, 16, 96, True, "top_left", "separate"),  # d = 96, even tiles: the unmasked loops masked along d
+    (1, 2, 1, 9, 11, 256, True, "bottom_right", "separate"),  # d = 256: the widest, one tiny case
+]
+
+
+@pytest.mark.parametrize("B,H,Hkv,N,Nk,d,causal,align,dq_mode", HEAD_DIM_CASES)
+def test_backward_any_head_dim(B, H, Hkv, N, Nk, d, causal, align, dq_mode):
+    dtype = DTYPES[0]
+    q, k, v, do = _inputs(B, H, N, Nk, d, dtype, seed=d + N, Hkv=Hkv)
+    o, lse = flash_attn_triton(q, k, v, causal=causal, align=align)
+    dq, dk, dv = flash_attn_bwd_triton(do, q, k, v, o, lse, causal=causal, align=align, dq_mode=dq_mode)
+    _, dq_ref, dk_ref, dv_ref = reference_grads(q, k, v, do, causal, align, 1.0 / math.sqrt(d))
+    _report("dv", dv, dv_ref, _tol(dtype))
+    _report("dk", dk, dk_ref, _tol(dtype))
+    _report("dq", dq, dq_ref, _tol(dtype))
+
+
+def test_gqa_separate_mode_is_deterministic():
+    """dk, dv summed over the group in registers (no atomics): two runs give the same bits."""
+    q, k, v, do = _inputs(1, 4, 20, 20, 16, DTYPES[0], seed=3, Hkv=1)
+    o, lse = flash_attn_triton(q, k, v, causal=True)
+    a = flash_attn_bwd_triton(do, q, k, v, o, lse, causal=True, dq_mode="separate")
+    b = flash_attn_bwd_triton(do, q, k, v, o, lse, causal=True, dq_mode="separate")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
 def test_autograd_function_low_precision(dtype):
     """flash_attention through torch.autograd in the second dtype, causal, with a custom sm_scale."""
@@ -118,6 +180,9 @@ def test_gradcheck_float64_logic():
         warnings.simplefilter("ignore", UserWarning)  # fp32 inputs: the tolerances below account for it
         assert torch.autograd.gradcheck(lambda a, b, c: flash_attention(a, b, c, causal=True), (q, k, v),
                                         eps=1e-2, atol=5e-3, rtol=5e-2, nondet_tol=1e-5, fast_mode=True)
+        q2 = torch.randn(1, 2, 5, 16, generator=g).requires_grad_()  # grouped-query: 2 query heads, 1 KV head
+        assert torch.autograd.gradcheck(lambda a, b, c: flash_attention(a, b, c, causal=True), (q2, k, v),
+                                        eps=1e-2, atol=5e-3, rtol=5e-2, nondet_tol=1e-5, fast_mode=True)
 
 
 def test_validation_messages():
@@ -135,8 +200,16 @@ def test_validation_messages():
         flash_attn_bwd_triton(do[:, :, :3], q, k, v, o, lse)
     with pytest.raises(ValueError, match="dq_mode"):
         flash_attn_bwd_triton(do, q, k, v, o, lse, dq_mode="fast")
-    with pytest.raises(ValueError, match="no grouped-query attention"):  # the forward takes Hkv < H, this does not
-        flash_attention(q, k[:, :1].contiguous(), v[:, :1].contiguous())
+    q3, k3, v3, _ = _inputs(1, 4, 8, 8, 16, DTYPES[0], seed=0, Hkv=3)
+    with pytest.raises(ValueError, match="H = 4 query heads must be a multiple of Hkv = 3"):
+        flash_attention(q3, k3, v3)
+    with pytest.raises(ValueError, match="must be a multiple of Hkv = 3"):
+        flash_attn_bwd_triton(do, q3[:, :2], k3, v3, o, lse)
+    q12, k12, v12, _ = _inputs(1, 1, 4, 4, 12, DTYPES[0], seed=0)
+    with pytest.raises(ValueError, match="head dimension d must be a multiple of 8 from 8 to 256.*got 12"):
+        flash_attention(q12, k12, v12)
+    with pytest.raises(ValueError, match=r"k must be \[B, Hkv, Nk, d\]"):
+        flash_attention(q, k[:, :, :, :8].contiguous(), v[:, :, :, :8].contiguous())
 
 
 def test_train_gpt_tiny(tmp_path):

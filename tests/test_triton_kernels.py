@@ -123,6 +123,43 @@ def test_forward_gqa_matches_sdpa(B, H, Hkv, N, Nk, d, causal, align, dtype):
     _report("lse", lse, torch.logsumexp(s, -1), _tol(dtype) * 5)
 
 
+HEAD_DIM_CASES = [
+    # B, H, Hkv, N, Nk, d, causal, align: head dims that are not a power of two run in padded tiles, masked along d
+    (1, 2, 1, 19, 23, 8, True, "top_left"),  # d = 8: computed 16 wide
+    (1, 2, 2, 21, 17, 40, True, "bottom_right"),  # d = 40: 64 wide; N > Nk: rows that see nothing
+    (1, 4, 2, 17, 33, 96, False, "top_left"),  # d = 96: 128 wide, GQA
+]
+
+
+@pytest.mark.parametrize("B,H,Hkv,N,Nk,d,causal,align", HEAD_DIM_CASES)
+def test_forward_any_head_dim(B, H, Hkv, N, Nk, d, causal, align):
+    """Head dims in multiples of 8 (the library's set): O and lse against float64, and the decode kernel on the
+    same keys. The inputs are not copied: q, k, v keep their d columns, the kernel pads in registers."""
+    dtype = DTYPES[0]
+    q, k, v = _inputs((B, H, N, d), (B, Hkv, Nk, d), dtype, seed=d + N)
+    o, lse = flash_attn_triton(q, k, v, causal=causal, align=align)
+    assert o.shape == q.shape
+    kf, vf = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))  # [B, H, Nk, d]
+    o_ref, lse_ref = _reference(q, kf, vf, causal, (Nk - N) if align == "bottom_right" else 0, 1.0 / math.sqrt(d))
+    _report("O", o, o_ref, _tol(dtype))
+    _report("lse", lse, lse_ref, _tol(dtype) * 5)
+    od = flash_decode_triton(q[:, :, -1].contiguous(), k, v, num_splits=2)  # the last row sees every key
+    o_last, _ = _reference(q[:, :, -1:], kf, vf, False, 0, 1.0 / math.sqrt(d))
+    _report("decode O", od, o_last[:, :, 0], _tol(dtype))
+
+
+def test_head_dim_messages():
+    for d in (12, 4, 264):  # not a multiple of 8, too small, too large
+        q, k, v = _inputs((1, 1, 4, d), (1, 1, 4, d), DTYPES[0], seed=0)
+        with pytest.raises(ValueError, match=f"head dimension d must be a multiple of 8 from 8 to 256.*got {d}"):
+            flash_attn_triton(q, k, v)
+        with pytest.raises(ValueError, match=f"got {d}"):
+            flash_decode_triton(q[:, :, 0].contiguous(), k, v)
+    q, k, v = _inputs((1, 1, 4, 40), (1, 1, 4, 40), DTYPES[0], seed=0)
+    with pytest.raises(ValueError, match="use_tma=True needs a head dim that is a power of two"):
+        flash_attn_triton(q, k, v, use_tma=True)
+
+
 DECODE_CASES = [
     # B, H, Hkv, Nk, d, num_splits
     (2, 4, 4, 100, 32, None),  # MHA

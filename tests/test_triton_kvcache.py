@@ -108,6 +108,16 @@ def test_matches_sdpa_per_sequence(Nq, H, Hkv, d, Nmax, lens, causal, block_size
     assert_close("O", o, reference(q, k, v, lens, causal), TOL[dtype])
 
 
+def test_head_dim_not_a_power_of_two():
+    """d = 40 (computed 64 wide, masked along d): paged cache, a chunk of new tokens, GQA, splits merged."""
+    lens = (0, 1, 37)
+    q, k, v = make_cache(3, 2, 4, 2, 40, 48, DTYPES[0], seed=40)
+    kc, vc, table = to_pages(k, v, 16, seed=3)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    o = flash_attn_with_kvcache_triton(q, kc, vc, seqlens, block_table=table, causal=True, num_splits=2)
+    assert_close("O", o, reference(q, k, v, lens, True), TOL[DTYPES[0]])
+
+
 @pytest.mark.parametrize("block_size,block_n,num_splits", [(16, 32, 3), (16, 64, 1), (32, 16, 3), (32, 32, 2)])
 def test_paged_equals_contiguous(block_size, block_n, num_splits):
     """Shuffled pages give the contiguous cache's O bit for bit: pages smaller than the key tile

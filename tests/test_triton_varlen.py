@@ -101,6 +101,12 @@ def test_varlen_matches_sdpa_per_sequence(case, causal, dtype):
     _check_all(lens_q, lens_k, H, Hkv, d, causal, dtype, seed=len(case))
 
 
+def test_varlen_head_dim_80():
+    """d = 80: computed 128 wide and masked along d; with Hkv = 2 a padded column must not read the next KV
+    head's values (they sit right after this head's 80 columns in the packed rows)."""
+    _check_all([5, 0, 1, 21], [9, 2, 0, 21], 4, 2, 80, True, DTYPES[0], seed=80)
+
+
 @pytest.mark.skipif(TensorDescriptor is None, reason="this Triton has no host tensor descriptors")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_other_load_path(causal):
@@ -220,3 +226,94 @@ def test_varlen_bad_inputs():
         with pytest.raises(exc, match=msg):
             call(**kw)
     call()  # and the good call runs
+
+
+# ----------------------------------------------------------------------------- the backward (autograd)
+
+from helpers import reference  # noqa: E402
+from helpers.kernels.varlen_backward import flash_attention_varlen, flash_attn_varlen_bwd_triton  # noqa: E402
+
+
+def _reference_grads(q, k, v, do, cu_q, cu_k, causal):
+    """float64 (dq, dk, dv) by autograd, sequence by sequence (``helpers.reference.attention_grads``, k and v
+    repeated to the query heads and their gradients summed back over each group)."""
+    H, Hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    for b in range(cu_q.numel() - 1):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        n, nk = rq.stop - rq.start, rk.stop - rk.start
+        if n == 0 or nk == 0:
+            continue  # nothing seen: gradients 0
+        qq, dd = (t[rq].detach().double().cpu().transpose(0, 1)[None] for t in (q, do))  # [1, H, n, d]
+        kk, vv = (t[rk].detach().double().cpu().transpose(0, 1)[None].repeat_interleave(H // Hkv, 1) for t in (k, v))
+        mask = reference.causal_mask(n, nk, "bottom_right") if causal else None  # [n, nk]
+        _, _, dq, dk, dv = reference.attention_grads(qq, kk, vv, dd, mask=mask, scale=1.0 / math.sqrt(d))
+        grads[0][rq] = dq[0].transpose(0, 1)
+        grads[1][rk] = dk[0].view(Hkv, H // Hkv, nk, d).sum(1).transpose(0, 1)
+        grads[2][rk] = dv[0].view(Hkv, H // Hkv, nk, d).sum(1).transpose(0, 1)
+    return grads
+
+
+BWD_CASES = {
+    # lens_q, lens_k, H, Hkv, d, causal
+    "empty and length-1 documents, GQA 4/2": ([5, 0, 1, 33, 12, 3], [9, 3, 0, 40, 4, 3], 4, 2, 16, True),
+    "packed self-attention, full, MHA": ([7, 1, 0, 20], [7, 1, 0, 20], 2, 2, 32, False),
+    "MQA 8/1, d = 80, n > nk: rows that see nothing": ([17, 1, 6], [9, 1, 6], 8, 1, 80, True),
+}
+
+
+@pytest.mark.parametrize("case", list(BWD_CASES))
+def test_varlen_autograd_matches_float64(case):
+    """flash_attention_varlen through torch.autograd: O and dq, dk, dv of every packed sequence against float64
+    autograd on that sequence alone; documents of length 0 and 1, n != nk, GQA and MQA, a padded head dim."""
+    lens_q, lens_k, H, Hkv, d, causal = BWD_CASES[case]
+    dtype = DTYPES[0]
+    q, k, v = (t.requires_grad_() for t in _packed(lens_q, lens_k, H, Hkv, d, dtype, seed=len(lens_q) + d, scale=2.0))
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    o = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+    o.backward(do)
+    want = _reference_grads(q, k, v, do, cu_q, cu_k, causal)
+    for name, t, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
+        assert t.shape == ref.shape and t.dtype == dtype, name
+        scale = ref.abs().max().item() + 1e-6
+        _worst(name, "all", t / scale, ref / scale, 3 * TOL[dtype])
+
+
+def test_varlen_gradcheck_tiny():
+    """torch.autograd.gradcheck through flash_attention_varlen: three documents (one empty), GQA 2/1, d = 8."""
+    if ON_GPU:
+        pytest.skip("fp32 gradcheck runs under the interpreter")
+    import warnings
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(5, 2, 8, generator=g).requires_grad_()
+    k, v = (torch.randn(6, 1, 8, generator=g).requires_grad_() for _ in range(2))
+    cu_q, cu_k = _cu([3, 0, 2]), _cu([2, 1, 3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert torch.autograd.gradcheck(
+            lambda a, b, c: flash_attention_varlen(a, b, c, cu_q, cu_k, 3, 3, causal=True), (q, k, v),
+            eps=1e-2, atol=5e-3, rtol=5e-2, nondet_tol=1e-5, fast_mode=True)
+
+
+def test_varlen_backward_bad_input():
+    """The backward's own checks, and cu_seqlens that cannot disagree with the forward's: autograd saves them, so
+    changing them in place between forward and backward is an error, not a wrong gradient."""
+    lens = [3, 4]
+    q, k, v = _packed(lens, lens, 2, 1, 16, DTYPES[0], seed=0)
+    cu = _cu(lens)
+    o, lse = flash_attn_varlen_triton(q, k, v, cu, cu, 4, 4)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 8 must equal total_q"):
+        flash_attn_varlen_bwd_triton(o, q, k, v, o, lse, _cu([3, 5]), cu, 5, 4)
+    with pytest.raises(ValueError, match="lse must be a float32 tensor of shape"):
+        flash_attn_varlen_bwd_triton(o, q, k, v, o, lse.T.contiguous(), cu, cu, 4, 4)
+    with pytest.raises(ValueError, match="do must be a tensor of q's shape"):
+        flash_attn_varlen_bwd_triton(o[:3], q, k, v, o, lse, cu, cu, 4, 4)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        flash_attention_varlen(q, torch.cat([k, k, k], 1), torch.cat([v, v, v], 1), cu, cu, 4, 4)
+    qg = q.clone().requires_grad_()
+    cu_q = cu.clone()
+    out = flash_attention_varlen(qg, k, v, cu_q, cu, 4, 4, causal=True)
+    cu_q[1] = 2  # the packing changed after the forward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

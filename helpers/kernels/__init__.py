@@ -6,6 +6,8 @@
   (lesson 08).
 * ``varlen``: ``flash_attn_varlen_triton`` and its grid map ``varlen_block_map`` — packed variable-length
   sequences, the library's ``cu_seqlens`` layout (lesson 10).
+* ``varlen_backward``: ``flash_attention_varlen`` (autograd, the library's ``flash_attn_varlen_func``) and
+  ``flash_attn_varlen_bwd_triton`` — the backward over the packed layout, GQA included.
 * ``kvcache``: ``flash_attn_with_kvcache_triton`` — a contiguous or paged KV cache (lesson 10).
 * ``common``: what they share: ``LOG2E``/``LN2``, the input checks, the tile configurations and what fits a GPU.
 

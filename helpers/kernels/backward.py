@@ -41,13 +41,12 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .common import HEAD_DIMS, LOG2E, SHAPES, _check_qkv, prune_for_device, tile_configs
+from .common import LOG2E, SHAPES, _check_head_dim, _check_qkv, _load_d, head_block, prune_for_device, tile_configs
 from .forward import flash_attn_triton
 
 __all__ = ["flash_attention", "flash_attn_bwd_triton", "FlashAttentionFunction", "DEFAULT_DQ_MODE"]
 
 DEFAULT_DQ_MODE = "separate"
-BWD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d <= 128)  # no d = 256: the backward is neither tuned nor compiled for it
 
 
 # ----------------------------------------------------------------------------
@@ -56,15 +55,18 @@ BWD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d <= 128)  # no d = 256: the backw
 
 
 @triton.jit(do_not_specialize=["N"])
-def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    # grid = (cdiv(N, BLOCK_M), B * H); all tensors contiguous: O, DO [B*H, N, D]; LSE, DELTA, LSE2 [B*H, N]
+def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, N, stride_oh, stride_om, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    # grid = (cdiv(N, BLOCK_M), B * H). O, DO: row n of head bh at bh * stride_oh + n * stride_om (dense
+    # [B, H, N, d]: N * d and d; packed [total_q, H, d]: d and H * d); LSE, DELTA, LSE2 [B*H, N] contiguous
     off_bh = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    offs_d = tl.arange(0, BLOCK_D)  # [D]; columns past HEAD_DIM masked
     ok = rows < N
-    ptrs = off_bh * N * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_M, D]
-    o = tl.load(O + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    io_ok = ok[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_M, D]
+    ptrs = off_bh * stride_oh + rows[:, None] * stride_om + offs_d[None, :]  # [BLOCK_M, D]
+    o = tl.load(O + ptrs, mask=io_ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=io_ok, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)  # [BLOCK_M]
     lse = tl.load(LSE + off_bh * N + rows, mask=ok, other=0.0)  # [BLOCK_M] natural log
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # base 2; +inf: P = 0
@@ -80,29 +82,33 @@ def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, N, HEAD_DIM: tl.constexpr, BLOCK_M:
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v,  # [BLOCK_N, D] fp32 accumulators; this program's keys and values
-    Q, DO, LSE2, DELTA, DQ,  # this head's base pointers: Q, DO, DQ [N, D]; LSE2, DELTA [N]
+    Q, DO, LSE2, DELTA, DQ,  # this query head's base pointers: Q, DO, DQ [N, D]; LSE2, DELTA [N]
+    stride_qm,  # elements from one query row to the next in Q, DO and DQ (HEAD_DIM dense; H * D packed)
     lo, hi,  # query rows [lo, hi) to visit, lo a multiple of BLOCK_M
     offs_n, N, Nk, diag, qk_scale, sm_scale,  # offs_n [BLOCK_N]: this program's key indices
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM): the tiles' width, the columns past HEAD_DIM masked
     BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr,  # False: every (row, key) pair visible, rows < N; True: band / ragged edges
     CAUSAL: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
 ):
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    offs_d = tl.arange(0, BLOCK_D)  # [D]
+    d_ok = offs_d < HEAD_DIM  # [D]
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-        ptrs = rows[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_M, D]
+        ptrs = rows[:, None] * stride_qm + offs_d[None, :]  # [BLOCK_M, D]
         if MASKED:
             row_ok = rows < N
-            q = tl.load(Q + ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
-            do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+            io_ok = row_ok[:, None] & d_ok[None, :]  # [BLOCK_M, D]
+            q = tl.load(Q + ptrs, mask=io_ok, other=0.0)  # [BLOCK_M, D]
+            do = tl.load(DO + ptrs, mask=io_ok, other=0.0)  # [BLOCK_M, D]
             lse2 = tl.load(LSE2 + rows, mask=row_ok, other=float("inf"))  # [BLOCK_M]; padding: P = 0
             delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
         else:
-            q = tl.load(Q + ptrs)
-            do = tl.load(DO + ptrs)
+            q = _load_d(Q + ptrs, d_ok, BLOCK_D != HEAD_DIM)
+            do = _load_d(DO + ptrs, d_ok, BLOCK_D != HEAD_DIM)
             lse2 = tl.load(LSE2 + rows)
             delta = tl.load(DELTA + rows)
         # P^T recomputed from the saved lse: one exp2 per score
@@ -120,48 +126,33 @@ def _bwd_dkdv_inner(
         if DQ_ATOMIC:
             dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * sm_scale  # [BLOCK_M, D]
             if MASKED:
-                tl.atomic_add(DQ + ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+                tl.atomic_add(DQ + ptrs, dq, mask=io_ok, sem="relaxed")
+            elif BLOCK_D != HEAD_DIM:
+                tl.atomic_add(DQ + ptrs, dq, mask=d_ok[None, :], sem="relaxed")
             else:
                 tl.atomic_add(DQ + ptrs, dq, sem="relaxed")
     return dk, dv
 
 
-# EVEN: N a multiple of BLOCK_M and Nk of BLOCK_N, known when the kernel is compiled, so the loops for
-# ragged edges are not in the code at all (not just empty at run time). N and Nk are specialised on
-# (Triton records whether each is divisible by 16): on an H200 that made the dK/dV kernel 11-14% faster
-# than leaving them unspecialised (bench/NOTES.md, backward v3); diag is not.
-def _even(args):
-    return args["N"] % args["BLOCK_M"] == 0 and args["Nk"] % args["BLOCK_N"] == 0
-
-
-@triton.jit(do_not_specialize=["diag"])
-def _bwd_dkdv(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, DQ,  # all contiguous [B*H, rows, D] / [B*H, N]; DQ fp32 if atomic
-    N, Nk, diag, qk_scale, sm_scale,
+@triton.jit
+def _bwd_dkdv_group(
+    dk, dv, k, v,  # [BLOCK_N, D] fp32 accumulators; this program's keys and values
+    Q, DO, LSE2, DELTA, DQ,  # base pointers of the group's first query head (its row 0)
+    stride_qh, stride_lh,  # from one query head to the next: in Q, DO, DQ; in LSE2, DELTA
+    stride_qm,  # from one query row to the next in Q, DO, DQ
+    GROUP, start_n, offs_n, N, Nk, diag, qk_scale, sm_scale,  # start_n: this block's first key (of this sequence)
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
-    EVEN: tl.constexpr,  # _even(): no ragged query or key block
+    EVEN: tl.constexpr,  # N a multiple of BLOCK_M and Nk of BLOCK_N (False: both ragged loops are in the code)
 ):
-    # grid = (cdiv(Nk, BLOCK_N), B * H); with causal top-left the first key blocks are seen by the most
-    # rows, so program 0 (launched first) is the heaviest
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bh = tl.program_id(1).to(tl.int64)
-    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key indices
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
-    q_base = Q + off_bh * N * HEAD_DIM
-    do_base = DO + off_bh * N * HEAD_DIM
-    dq_base = DQ + off_bh * N * HEAD_DIM
-    kv_ptrs = off_bh * Nk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
-    key_ok = offs_n < Nk
-    k = tl.load(K + kv_ptrs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-    v = tl.load(V + kv_ptrs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-
-    # Row classes for this key block. Row i sees key j when j <= i + diag (causal).
+    """dK, dV of one block of BLOCK_N keys from the GROUP query heads that read its KV head, one head after the
+    other, summed in the accumulators. Shared by the dense kernel and the packed variable-length one
+    (helpers/kernels/varlen_backward.py): the caller finds the keys and the heads' pointers."""
+    # Row classes for this key block (the same for every query head). Row i sees key j when j <= i + diag.
     # Masked: rows [m_lo, off_lo) (the band) and [off_hi, N) (the ragged row tail);
     # no mask: [off_lo, off_hi), whole query blocks that see every key of a whole key block.
     # Rows < m_lo see none of these keys: never visited.
@@ -182,21 +173,72 @@ def _bwd_dkdv(
         off_hi = off_lo
     tail_lo = tl.maximum(off_hi, m_lo)
 
-    if CAUSAL or not EVEN:  # not causal and even: the band is empty, so the loop is left out
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE2 + off_bh * N, DELTA + off_bh * N, dq_base,
-                                 m_lo, off_lo, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                                 HEAD_DIM, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE2 + off_bh * N, DELTA + off_bh * N, dq_base,
-                             off_lo, off_hi, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                             HEAD_DIM, BLOCK_M, False, CAUSAL, DQ_ATOMIC)
-    if not EVEN:  # the ragged row tail
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE2 + off_bh * N, DELTA + off_bh * N, dq_base,
-                                 tail_lo, N, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                                 HEAD_DIM, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+    q_base, do_base, dq_base, lse2_base, delta_base = Q, DO, DQ, LSE2, DELTA
+    for g in range(0, GROUP):  # the group's query heads, one after the other
+        if CAUSAL or not EVEN:  # not causal and even: the band is empty, so the loop is left out
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qm,
+                                     m_lo, off_lo, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qm,
+                                 off_lo, off_hi, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, DQ_ATOMIC)
+        if not EVEN:  # the ragged row tail
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qm,
+                                     tail_lo, N, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+        q_base += stride_qh  # the next head (pointer steps: no int32 product of the head index and its stride)
+        do_base += stride_qh
+        dq_base += stride_qh
+        lse2_base += stride_lh
+        delta_base += stride_lh
+    return dk, dv
+
+
+# EVEN: N a multiple of BLOCK_M and Nk of BLOCK_N, known when the kernel is compiled, so the loops for
+# ragged edges are not in the code at all (not just empty at run time). N and Nk are specialised on
+# (Triton records whether each is divisible by 16): on an H200 that made the dK/dV kernel 11-14% faster
+# than leaving them unspecialised (bench/NOTES.md, backward v3); diag is not.
+def _even(args):
+    return args["N"] % args["BLOCK_M"] == 0 and args["Nk"] % args["BLOCK_N"] == 0
+
+
+@triton.jit(do_not_specialize=["diag"])
+def _bwd_dkdv(
+    Q, K, V, DO, LSE2, DELTA, DK, DV, DQ,  # contiguous: Q, DO, DQ [B*H, N, D]; K, V, DK, DV [B*Hkv, Nk, D];
+    # LSE2, DELTA [B*H, N]; DQ fp32 if atomic
+    N, Nk, diag, qk_scale, sm_scale,
+    GROUP,  # query heads per KV head (H // Hkv; 1 without grouped-query attention)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    EVEN: tl.constexpr,  # _even(): no ragged query or key block
+):
+    # grid = (cdiv(Nk, BLOCK_N), B * Hkv); with causal top-left the first key blocks are seen by the most
+    # rows, so program 0 (launched first) is the heaviest. Grouped-query attention: this program owns
+    # BLOCK_N keys of one KV head and visits the GROUP query heads that read it one after the other, summing
+    # their dK, dV in registers: K and V are read once, dK and dV written once (no atomics, deterministic).
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bkv = tl.program_id(1).to(tl.int64)  # b * Hkv + kv head
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key indices
+    offs_d = tl.arange(0, BLOCK_D)  # [D]
+    kv_ptrs = off_bkv * Nk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
+    kv_ok = (offs_n < Nk)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_N, D]
+    k = tl.load(K + kv_ptrs, mask=kv_ok, other=0.0)  # [BLOCK_N, D]
+    v = tl.load(V + kv_ptrs, mask=kv_ok, other=0.0)  # [BLOCK_N, D]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    dk, dv = _bwd_dkdv_group(dk, dv, k, v, Q + off_bkv * GROUP * N * HEAD_DIM, DO + off_bkv * GROUP * N * HEAD_DIM,
+                             LSE2 + off_bkv * GROUP * N, DELTA + off_bkv * GROUP * N, DQ + off_bkv * GROUP * N * HEAD_DIM,
+                             N * HEAD_DIM, N, HEAD_DIM, GROUP, start_n, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, DQ_ATOMIC, EVEN)
 
     dk = dk * sm_scale  # dS was taken w.r.t. S = q k^T * sm_scale
-    tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
 # ----------------------------------------------------------------------------
@@ -207,24 +249,28 @@ def _bwd_dkdv(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse2, delta,  # dq [BLOCK_M, D] fp32; q, do [BLOCK_M, D]; lse2, delta [BLOCK_M]
-    K, V,  # this head's [Nk, D]
+    K, V,  # this query head's KV head's base pointers [Nk, D]
+    stride_kn,  # elements from one key row to the next in K and V (HEAD_DIM dense; Hkv * D packed)
     lo, hi, offs_m, Nk, diag, qk_scale,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM)
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
 ):
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM  # [D]
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        ptrs = cols[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_N, D]
+        ptrs = cols[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
         if MASKED:
-            k = tl.load(K + ptrs, mask=cols[:, None] < Nk, other=0.0)  # [BLOCK_N, D]
-            v = tl.load(V + ptrs, mask=cols[:, None] < Nk, other=0.0)  # [BLOCK_N, D]
+            kv_ok = (cols[:, None] < Nk) & d_ok[None, :]  # [BLOCK_N, D]
+            k = tl.load(K + ptrs, mask=kv_ok, other=0.0)  # [BLOCK_N, D]
+            v = tl.load(V + ptrs, mask=kv_ok, other=0.0)  # [BLOCK_N, D]
         else:
-            k = tl.load(K + ptrs)
-            v = tl.load(V + ptrs)
+            k = _load_d(K + ptrs, d_ok, BLOCK_D != HEAD_DIM)
+            v = _load_d(V + ptrs, d_ok, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # [BLOCK_M, BLOCK_N]
         if MASKED:
@@ -238,11 +284,41 @@ def _bwd_dq_inner(
     return dq
 
 
+@triton.jit
+def _bwd_dq_rows(
+    dq, q, do, lse2, delta, K, V, stride_kn,  # as in _bwd_dq_inner
+    start_m, offs_m, Nk, diag, qk_scale,  # start_m: the block's index within its sequence
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """dQ of one block of query rows over keys [0, Nk) in the forward's tile classes. Shared by the dense kernel
+    and the packed variable-length one."""
+    if CAUSAL:  # as in the forward: [0, band_lo) no mask, [band_lo, band_hi) masked, the rest never visited
+        first_row_end = tl.minimum(tl.maximum(start_m * BLOCK_M + diag + 1, 0), Nk)
+        band_lo = (first_row_end // BLOCK_N) * BLOCK_N
+        band_hi = tl.minimum(tl.maximum(start_m * BLOCK_M + BLOCK_M + diag, 0), Nk)
+    else:
+        band_lo = (Nk // BLOCK_N) * BLOCK_N
+        band_hi = Nk
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, 0, band_lo, offs_m, Nk, diag, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL)
+    if CAUSAL or not EVEN:  # not causal and even: nothing is masked, the loop is left out
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, band_lo, band_hi, offs_m, Nk, diag, qk_scale,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL)
+    return dq
+
+
 @triton.jit(do_not_specialize=["diag"])
 def _bwd_dq(
     Q, K, V, DO, LSE2, DELTA, DQ,
     N, Nk, diag, qk_scale, sm_scale,
+    GROUP,  # query heads per KV head: query head b * H + h reads KV head (b * H + h) // GROUP = b * Hkv + h // GROUP
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -255,30 +331,22 @@ def _bwd_dq(
         start_m = tl.program_id(0)
     off_bh = tl.program_id(1).to(tl.int64)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < N
+    io_ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_M, D]
     ptrs = off_bh * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_M, D]
-    q = tl.load(Q + ptrs, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + ptrs, mask=io_ok, other=0.0)
+    do = tl.load(DO + ptrs, mask=io_ok, other=0.0)
     lse2 = tl.load(LSE2 + off_bh * N + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + off_bh * N + offs_m, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    k_base = K + off_bh * Nk * HEAD_DIM
-    v_base = V + off_bh * Nk * HEAD_DIM
-    if CAUSAL:  # as in the forward: [0, band_lo) no mask, [band_lo, band_hi) masked, the rest never visited
-        first_row_end = tl.minimum(tl.maximum(start_m * BLOCK_M + diag + 1, 0), Nk)
-        band_lo = (first_row_end // BLOCK_N) * BLOCK_N
-        band_hi = tl.minimum(tl.maximum(start_m * BLOCK_M + BLOCK_M + diag, 0), Nk)
-    else:
-        band_lo = (Nk // BLOCK_N) * BLOCK_N
-        band_hi = Nk
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, 0, band_lo, offs_m, Nk, diag, qk_scale,
-                       HEAD_DIM, BLOCK_N, False, CAUSAL)
-    if CAUSAL or not EVEN:  # not causal and even: nothing is masked, the loop is left out
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, band_lo, band_hi, offs_m, Nk, diag, qk_scale,
-                           HEAD_DIM, BLOCK_N, True, CAUSAL)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    off_bkv = off_bh // GROUP
+    k_base = K + off_bkv * Nk * HEAD_DIM
+    v_base = V + off_bkv * Nk * HEAD_DIM
+    dq = _bwd_dq_rows(dq, q, do, lse2, delta, k_base, v_base, HEAD_DIM, start_m, offs_m, Nk, diag, qk_scale,
+                      HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, EVEN)
     dq = dq * sm_scale
-    tl.store(DQ + ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(DQ + ptrs, dq.to(DQ.dtype.element_ty), mask=io_ok)
 
 
 @triton.jit
@@ -297,10 +365,24 @@ _INTERPRETER_BWD_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1
 _PRE_BLOCK_M = 64
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner: the winners of the H200 sweep
-# (bench/NOTES.md, backward v1); dK/dV: 32x64 for d = 64, 64x128 / 128x128 for d = 128
+# (bench/NOTES.md, backward v1); dK/dV: 32x64 for d = 64, 64x128 / 128x128 for d = 128. Head dims that are not
+# a power of two run in the next one's tiles (d = 80, 96 as 128).
 _DKDV_SHAPES = [(32, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
 _DQ_SHAPES = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]
-SHAPES.update(dkdv=lambda d: tile_configs(_DKDV_SHAPES), dq=lambda d: tile_configs(_DQ_SHAPES))
+# d in (128, 256]: 256-wide tiles, two stages. Not measured on a GPU yet: the first of each fits sm_90 and sm_80,
+# the second sm_86/89's 99 KB; nothing fits a T4's 64 KB (the launcher says so).
+_DKDV_SHAPES_256 = [(32, 64, 8, 2), (32, 32, 4, 2)]
+_DQ_SHAPES_256 = [(64, 32, 4, 2), (32, 32, 4, 2)]
+
+
+def _d_class(d):
+    """128 for head dims up to 128 (their tiles are at most 128 wide), 256 above."""
+    return 128 if head_block(d) <= 128 else 256
+
+
+_SHAPES_BY_CLASS = {"dkdv": {128: _DKDV_SHAPES, 256: _DKDV_SHAPES_256}, "dq": {128: _DQ_SHAPES, 256: _DQ_SHAPES_256}}
+SHAPES.update(dkdv=lambda d: tile_configs(_SHAPES_BY_CLASS["dkdv"][_d_class(d)]),
+              dq=lambda d: tile_configs(_SHAPES_BY_CLASS["dq"][_d_class(d)]))
 
 
 def _configs(shapes):
@@ -311,44 +393,47 @@ def _prune(kind):  # triton.autotune's early_config_prune: the configurations th
     return {"early_config_prune": lambda configs, nargs, **kw: prune_for_device(kind, configs, nargs, kw)}
 
 
-_bwd_dkdv_tuned = triton.autotune(configs=_configs(_DKDV_SHAPES), key=["N", "Nk", "HEAD_DIM", "CAUSAL", "DQ_ATOMIC"],
-                                  reset_to_zero=["DQ"], prune_configs_by=_prune("dkdv"))(
-    triton.heuristics({"EVEN": _even})(_bwd_dkdv))
-_bwd_dq_tuned = triton.autotune(configs=_configs(_DQ_SHAPES), key=["N", "Nk", "HEAD_DIM", "CAUSAL"],
-                                prune_configs_by=_prune("dq"))(triton.heuristics({"EVEN": _even})(_bwd_dq))
+# d class -> autotuner
+_bwd_dkdv_tuned = {c: triton.autotune(configs=_configs(_SHAPES_BY_CLASS["dkdv"][c]),
+                                      key=["N", "Nk", "HEAD_DIM", "CAUSAL", "DQ_ATOMIC"],
+                                      reset_to_zero=["DQ"], prune_configs_by=_prune("dkdv"))(
+    triton.heuristics({"EVEN": _even})(_bwd_dkdv)) for c in (128, 256)}
+_bwd_dq_tuned = {c: triton.autotune(configs=_configs(_SHAPES_BY_CLASS["dq"][c]), key=["N", "Nk", "HEAD_DIM", "CAUSAL"],
+                                    prune_configs_by=_prune("dq"))(triton.heuristics({"EVEN": _even})(_bwd_dq))
+                 for c in (128, 256)}
 
 
 def _check_inputs(q, k, v, causal, align):
     _check_qkv(q, k, v, (4, 4, 4))
     B, H, N, d = q.shape
-    if k.shape[0] == B and k.shape[3] == d and k.shape[1] != H:
-        raise ValueError(f"the backward has no grouped-query attention: q has H = {H} heads, k has {k.shape[1]}; "
-                         f"repeat k and v to H heads first (k.repeat_interleave(H // Hkv, dim=1)) to train through it")
-    if tuple(k.shape[:2]) != (B, H) or k.shape[3] != d:
-        raise ValueError(f"k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}], got {tuple(k.shape)}")
+    Hkv = k.shape[1]
+    if k.shape[0] != B or k.shape[3] != d:
+        raise ValueError(f"k must be [B, Hkv, Nk, d] = [{B}, Hkv, Nk, {d}], got {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if d not in BWD_HEAD_DIMS:
-        raise ValueError(f"head dimension d must be one of {', '.join(map(str, BWD_HEAD_DIMS))} for the backward; "
-                         f"got {d}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads (k is {tuple(k.shape)})")
+    _check_head_dim(d)
     if align not in ("top_left", "bottom_right"):
         raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    return B, H, N, k.shape[2], d
+    return B, H, Hkv, N, k.shape[2], d
 
 
 def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left", *,
                           dq_mode=None, config=None):
     """Gradients ``(dq, dk, dv)`` of O = attention(q, k, v) for the upstream gradient ``do``.
 
-    q, o, do: [B, H, N, d]; k, v: [B, H, Nk, d]; lse: [B, H, N] float32 natural log, as returned by
+    q, o, do: [B, H, N, d]; k, v: [B, Hkv, Nk, d] (H a multiple of Hkv: grouped-query attention, query
+    head h reads KV head h // (H // Hkv); dk, dv sum over each KV head's group inside the kernel); lse: [B, H, N] float32 natural log, as returned by
     ``flash_attn_triton`` (-inf for a row that saw no key: its gradients are 0). ``causal``, ``align``,
     ``sm_scale`` as in the forward. ``dq_mode``: "separate" (a dQ kernel; deterministic) or "atomic"
     (fp32 atomic adds from the dK/dV kernel); None = DEFAULT_DQ_MODE. ``config``: None autotunes;
     a dict {"dkdv": {BLOCK_M, BLOCK_N, num_warps, num_stages}, "dq": {...}} fixes the tiles.
     """
-    B, H, N, Nk, d = _check_inputs(q, k, v, causal, align)
+    B, H, Hkv, N, Nk, d = _check_inputs(q, k, v, causal, align)
+    group = H // Hkv
     for name, x, shape in (("o", o, q.shape), ("do", do, q.shape)):
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
             raise ValueError(f"{name} must be a tensor of q's shape {tuple(shape)}")
@@ -370,36 +455,38 @@ def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, alig
 
     delta = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N] rowsum(dO * O)
     lse2 = torch.empty_like(delta)  # [B, H, N] lse in base 2, +inf on empty rows
-    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, HEAD_DIM=d,
-                                                           BLOCK_M=_PRE_BLOCK_M)
-    dk = torch.empty_like(k)  # [B, H, Nk, d]
-    dv = torch.empty_like(v)  # [B, H, Nk, d]
+    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, N * d, d, HEAD_DIM=d,
+                                                           BLOCK_M=_PRE_BLOCK_M, BLOCK_D=head_block(d))
+    dk = torch.empty_like(k)  # [B, Hkv, Nk, d]
+    dv = torch.empty_like(v)  # [B, Hkv, Nk, d]
     atomic = dq_mode == "atomic"
     if atomic:
         dq_acc = torch.zeros((B, H, N, d), device=q.device, dtype=torch.float32)  # [B, H, N, d] fp32 sums
     else:
         dq_acc = dq = torch.empty_like(q)  # [B, H, N, d]
-    args = (q, k, v, do, lse2, delta, dk, dv, dq_acc, N, Nk, diag, qk_scale, sm_scale)
-    meta = dict(HEAD_DIM=d, CAUSAL=causal, DQ_ATOMIC=atomic)
+    args = (q, k, v, do, lse2, delta, dk, dv, dq_acc, N, Nk, diag, qk_scale, sm_scale, group)
+    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), CAUSAL=causal, DQ_ATOMIC=atomic)
     if config is None and interpreting():
         config = {"dkdv": _INTERPRETER_BWD_CONFIG, "dq": _INTERPRETER_BWD_CONFIG}
     if config is not None:
         cfg = config["dkdv"]
-        _bwd_dkdv[(triton.cdiv(Nk, cfg["BLOCK_N"]), B * H)](*args, **meta, **cfg, EVEN=_even(dict(N=N, Nk=Nk, **cfg)))
+        _bwd_dkdv[(triton.cdiv(Nk, cfg["BLOCK_N"]), B * Hkv)](*args, **meta, **cfg, EVEN=_even(dict(N=N, Nk=Nk, **cfg)))
     else:
-        _bwd_dkdv_tuned[lambda m: (triton.cdiv(Nk, m["BLOCK_N"]), B * H)](*args, **meta)
+        _bwd_dkdv_tuned[_d_class(d)][lambda m: (triton.cdiv(Nk, m["BLOCK_N"]), B * Hkv)](*args, **meta)
     if atomic:
         dq = torch.empty_like(q)
         n = dq.numel()
         _cast_rows[(triton.cdiv(n, 1024),)](dq_acc, dq, n, BLOCK=1024)
     else:
-        dq_args = (q, k, v, do, lse2, delta, dq, N, Nk, diag, qk_scale, sm_scale)
+        dq_args = (q, k, v, do, lse2, delta, dq, N, Nk, diag, qk_scale, sm_scale, group)
         if config is not None:
             cfg = config["dq"]
-            _bwd_dq[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](*dq_args, HEAD_DIM=d, CAUSAL=causal, **cfg,
+            _bwd_dq[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](*dq_args, HEAD_DIM=d, BLOCK_D=head_block(d),
+                                                             CAUSAL=causal, **cfg,
                                                              EVEN=_even(dict(N=N, Nk=Nk, **cfg)))
         else:
-            _bwd_dq_tuned[lambda m: (triton.cdiv(N, m["BLOCK_M"]), B * H)](*dq_args, HEAD_DIM=d, CAUSAL=causal)
+            _bwd_dq_tuned[_d_class(d)][lambda m: (triton.cdiv(N, m["BLOCK_M"]), B * H)](
+                *dq_args, HEAD_DIM=d, BLOCK_D=head_block(d), CAUSAL=causal)
     return dq, dk, dv
 
 
@@ -422,11 +509,13 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 
 def flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left", *, dq_mode=None):
-    """Differentiable attention: q [B, H, N, d], k, v [B, H, Nk, d] -> O [B, H, N, d] (q's dtype).
+    """Differentiable attention: q [B, H, N, d], k, v [B, Hkv, Nk, d] -> O [B, H, N, d] (q's dtype).
 
     The drop-in for ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)``
-    (``align="top_left"`` is SDPA's causal mask; "bottom_right" is the FlashAttention library's).
-    fp16/bf16 (and fp32) on a CUDA GPU; fp32/fp16 on the CPU under TRITON_INTERPRET=1. d in 16..128.
+    (``align="top_left"`` is SDPA's causal mask; "bottom_right" is the FlashAttention library's). H a multiple of
+    Hkv: grouped-query attention (SDPA's ``enable_gqa=True``), with no copy of k and v in either pass.
+    fp16/bf16 (and fp32) on a CUDA GPU; fp32/fp16 on the CPU under TRITON_INTERPRET=1. d a multiple of 8 up to
+    256 (d > 128 needs more shared memory than a T4's 64 KB: a clear error there).
     """
     _check_inputs(q, k, v, causal, align)
     return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, align, dq_mode)

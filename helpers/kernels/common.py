@@ -4,7 +4,9 @@
   the host. Every kernel works in base 2: ``qk_scale = sm_scale * log2(e)`` makes each exponential one
   ``exp2``, and a base-2 lse times ``ln(2)`` is the natural-log lse the launchers return.
 * ``_check_qkv`` and its parts: the checks every entry point makes of q, k and v (types, one device, ranks,
-  dtypes the device can run, contiguity), ``HEAD_DIMS``.
+  dtypes the device can run, contiguity), ``HEAD_DIMS``; ``head_block(d)``: the padded width the kernels
+  compute in (``tl.arange`` needs a power of two), and ``_load_d``, the load of an unmasked tile, masked along
+  d only when d is padded.
 * ``SHAPES``, ``smem_estimate``, ``fitting_configs``, ``launch_configs``, ``prune_for_device``: each kernel
   module registers its tile configurations, and the launchers keep those that fit the GPU's shared memory.
 * ``use_tma_for``, ``check_dtype_for``: TMA from sm_90, bf16 from sm_80.
@@ -13,6 +15,7 @@ Written for this course.
 """
 
 import torch
+import triton
 import triton.language as tl
 
 from ..reference import LN2 as _LN2, LOG2E as _LOG2E
@@ -62,12 +65,32 @@ def _check_device(*tensors, names=("q", "k", "v")):
     return _DTYPES_GPU
 
 
-HEAD_DIMS = (16, 32, 64, 128, 256)  # what every kernel here compiles for (tl.arange needs a power of two)
+HEAD_DIMS = tuple(range(8, 257, 8))  # every multiple of 8 up to 256 (the FlashAttention library's set)
+
+
+def head_block(d):
+    """The width the kernels compute in for head dim d: the next power of two (tl.arange needs one), at least 16
+    (tl.dot's smallest K). Loads and stores along d are masked with the real d; nothing is copied or padded in
+    memory. d = 80 computes in 128 columns, 48 of them zeros."""
+    return max(16, _next_pow2(d))
 
 
 def _check_head_dim(d):
+    """d a multiple of 8 (rows stay 16-byte aligned in fp16, so loads are vectorised) in [8, 256]."""
     if d not in HEAD_DIMS:
-        raise ValueError(f"head dimension d must be one of {', '.join(map(str, HEAD_DIMS))}; got {d}")
+        raise ValueError(f"head dimension d must be a multiple of 8 from 8 to 256 (8, 16, ..., 80, 96, ..., 256); "
+                         f"got {d}")
+
+
+@triton.jit
+def _load_d(ptrs, d_ok, PAD_D: tl.constexpr):
+    """Load a tile that needs no mask along its rows: masked along d only when the head dim is padded
+    (PAD_D: HEAD_DIM < BLOCK_D; d_ok [BLOCK_D] says which columns are real), so the power-of-two case is the
+    unmasked load it always was."""
+    if PAD_D:
+        return tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 def _check_qkv(q, k, v, ndims, names=("q", "k", "v")):
@@ -166,6 +189,7 @@ def smem_estimate(kind, cfg, d, elt, capability, block_h=64, atomic=False):
     GPU of this (major, minor); ``block_h``: the decode kernel's query rows per program; ``atomic``: the dK/dV
     kernel adds dQ atomically (fp32 tiles of dQ and dS^T on their way to the atomics)."""
     bm, bn, stages = cfg.get("BLOCK_M", 0), cfg["BLOCK_N"], cfg["num_stages"]
+    d = head_block(d)  # the tiles are the padded width wide
     hopper = capability[0] >= 9
     if capability < (8, 0):  # no pipelining, dots on CUDA cores: the operands of the dots staged in shared memory
         outer, inner = (block_h if kind == "decode" else bm), bn
@@ -234,8 +258,12 @@ def _device_limits(device):
     return _limits[idx]
 
 
-def use_tma_for(capability, dtype):
-    """Whether the forward kernels load K and V through TMA descriptors on a GPU of this (major, minor)."""
+def use_tma_for(capability, dtype, d=None):
+    """Whether the forward kernels load K and V through TMA descriptors on a GPU of this (major, minor) for head
+    dim d: not for a d that is not a power of two (the tile is padded to head_block(d) columns, and a TMA box
+    that wide would read the next head's columns; those take the pointer path, masked along d)."""
+    if d is not None and head_block(d) != d:
+        return False
     return TensorDescriptor is not None and capability[0] >= 9 and dtype != torch.float32
 
 

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .common import (LOG2E, SHAPES, _capturing, _cdiv, _check_dense_kv, _check_qkv, _device_limits, _next_pow2,
-                     _num_sms, _shapes, fitting_configs)
+from .common import (LOG2E, SHAPES, _capturing, _cdiv, _check_dense_kv, _check_qkv, _device_limits, _load_d,
+                     _next_pow2, _num_sms, _shapes, fitting_configs, head_block)
 
 __all__ = ["flash_decode_triton"]
 
@@ -106,6 +106,7 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr,  # query rows per program (>= 16)
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM): the tiles' width, columns past HEAD_DIM masked (O_part is BLOCK_D wide)
     HEAD_MAJOR: tl.constexpr,  # True: K [B, Hkv, Nk, D]; False: [B, Nmax, Hkv, D] or pages [n, PAGE, Hkv, D]
     PAGE: tl.constexpr,  # 0: contiguous cache; else the page (block) size, a power of two
     VARLEN: tl.constexpr,  # lengths from SeqLens (else every sequence has Nk keys)
@@ -122,12 +123,14 @@ def _decode_kernel(
     # -- the query tile: row r = i * GROUP + g is new token i of query head hkv * GROUP + g
     offs_r = rb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    offs_d = tl.arange(0, BLOCK_D)  # [D]
+    d_ok = offs_d < HEAD_DIM  # [D]
     row_ok = offs_r < NQ * GROUP
     qi = offs_r // GROUP  # [BLOCK_H] new token of each row
     head = off_hkv * GROUP + offs_r % GROUP  # [BLOCK_H] query head of each row
     q_row = ((off_b * NQ + qi) * (HKV * GROUP) + head).to(tl.int64) * HEAD_DIM  # [BLOCK_H] row start in q and O
-    q = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_H, D]
+    io_ok = row_ok[:, None] & d_ok[None, :]  # [BLOCK_H, D]
+    q = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=io_ok, other=0.0)  # [BLOCK_H, D]
 
     # -- this sequence's keys, and which of them each row sees
     if VARLEN:
@@ -165,7 +168,7 @@ def _decode_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
     # Paged: the page numbers of the next tile are loaded one iteration ahead (carried in
     # `pages`), so the K/V addresses of a tile do not wait on a load of the same iteration
@@ -191,8 +194,8 @@ def _decode_kernel(
             offs = row[:, None] + offs_d[None, :]  # [BLOCK_N, D]
             nxt = start_n + BLOCK_N + offs_n  # [BLOCK_N]
             pages = tl.load(BlockTable + table_row + nxt // PAGE, mask=nxt < full_hi, other=0)
-        k = tl.load(K + offs)  # [BLOCK_N, D]
-        v = tl.load(V + offs)  # [BLOCK_N, D]
+        k = _load_d(K + offs, d_ok, BLOCK_D != HEAD_DIM)  # [BLOCK_N, D]
+        v = _load_d(V + offs, d_ok, BLOCK_D != HEAD_DIM)  # [BLOCK_N, D]
         m_i, l_i, acc = _decode_step(q, k, v, m_i, l_i, acc, qk_scale, offs_n, offs_n, offs_n, MASKED=False)
 
     for start_n in range(full_hi, hi, BLOCK_N):  # the ragged end and the causal band: masked
@@ -201,8 +204,8 @@ def _decode_kernel(
         key_ok = cols < hi  # [BLOCK_N]
         offs = _decode_tail_offsets(BlockTable, table_row, start_n, hi, offs_n, offs_d, tile, head_off, stride_kb,
                                     BLOCK_N, PAGE, TOKEN_STRIDE)  # [BLOCK_N, D]
-        k = tl.load(K + offs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(V + offs, mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        k = tl.load(K + offs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(V + offs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D]
         m_i, l_i, acc = _decode_step(q, k, v, m_i, l_i, acc, qk_scale, cols, key_ok, row_end, MASKED=True)
 
     # -- this split's partial result; a split (or row) with no keys: O_s = 0, lse_s = -inf
@@ -211,14 +214,14 @@ def _decode_kernel(
     o_s = acc / l_safe[:, None]  # [BLOCK_H, D]
     o_ptrs = O + q_row[:, None] + offs_d[None, :]  # [BLOCK_H, D]
     if DIRECT:
-        tl.store(o_ptrs, o_s.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptrs, o_s.to(O.dtype.element_ty), mask=io_ok)
     else:
         lse_s = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))  # [BLOCK_H] base 2
         offs_h = tl.arange(0, BLOCK_H)
         part0 = pid.to(tl.int64) * num_splits * BLOCK_H  # this (b, kv head, row block)'s partials
         part = part0 + split * BLOCK_H + offs_h  # [BLOCK_H]
         tl.store(LSE_part + part, lse_s)
-        tl.store(O_part + part[:, None] * HEAD_DIM + offs_d[None, :], o_s)
+        tl.store(O_part + part[:, None] * BLOCK_D + offs_d[None, :], o_s)
         # Every thread's partial is written before one thread counts this split done (the
         # barrier), and the count is a release at GPU scope: a program that reads count
         # S - 1 has acquired every other split's partial.
@@ -230,16 +233,16 @@ def _decode_kernel(
             for s in range(0, num_splits):
                 lse_max = tl.maximum(lse_max, tl.load(LSE_part + part0 + s * BLOCK_H + offs_h, cache_modifier=".cg"))
             lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a row no split saw: weights 0
-            o_sum = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+            o_sum = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
             w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
             for s in range(0, num_splits):
                 rows_s = part0 + s * BLOCK_H + offs_h  # [BLOCK_H]
                 w = tl.math.exp2(tl.load(LSE_part + rows_s, cache_modifier=".cg") - lse_ref)  # [BLOCK_H]
-                o_p = tl.load(O_part + rows_s[:, None] * HEAD_DIM + offs_d[None, :], cache_modifier=".cg")
+                o_p = tl.load(O_part + rows_s[:, None] * BLOCK_D + offs_d[None, :], cache_modifier=".cg")
                 o_sum += w[:, None] * o_p  # [BLOCK_H, D]
                 w_sum += w
             o_fin = o_sum / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]  # [BLOCK_H, D]
-            tl.store(o_ptrs, o_fin.to(O.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(o_ptrs, o_fin.to(O.dtype.element_ty), mask=io_ok)
             tl.atomic_xchg(Counter + pid, 0)  # ready for the next call, no memset launch
 
 
@@ -375,12 +378,12 @@ def _decode_launch(q, k, v, o, seqlens, block_table, *, B, Hkv, group, nq, d, Nk
     if direct:  # nothing to merge: the kernel writes O (the workspace arguments are unused)
         o_part = lse_part = counters = o
     else:
-        o_part, lse_part, counters = _decode_workspace(q.device, programs, num_splits, block_h, d)
+        o_part, lse_part, counters = _decode_workspace(q.device, programs, num_splits, block_h, head_block(d))
     qk_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * LOG2E.value
     args = (q, k, v, o, o_part, lse_part, counters,
             o if seqlens is None else seqlens, o if block_table is None else block_table,
             Nk, stride_kb, max_blocks, num_splits, qk_scale)
-    meta = dict(HKV=Hkv, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, HEAD_DIM=d,
+    meta = dict(HKV=Hkv, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=head_block(d),
                 HEAD_MAJOR=head_major, PAGE=page, VARLEN=seqlens is not None, CAUSAL=causal, DIRECT=direct)
     grid = (num_splits, programs)
 

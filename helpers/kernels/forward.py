@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .common import (LN2, LOG2E, SHAPES, TensorDescriptor, _check_dense_kv, _check_qkv, _device_limits,
-                     prune_for_device, tile_configs, use_tma_for)
+from .common import (LN2, LOG2E, SHAPES, TensorDescriptor, _check_dense_kv, _check_qkv, _device_limits, _load_d,
+                     head_block, prune_for_device, tile_configs, use_tma_for)
 
 __all__ = ["flash_attn_triton"]
 
@@ -42,11 +42,14 @@ def _attn_fwd_inner(
     desc_k, desc_v, kv_row0, kv_col0,  # TMA path: 2-D descriptors; this head's keys start at (kv_row0, kv_col0)
     lo, hi,  # key range [lo, hi) to visit, lo a multiple of BLOCK_N
     offs_m, offs_n, qk_scale, Nk, diag,  # diag: row i sees keys j <= i + diag (causal)
+    HEAD_DIM: tl.constexpr,  # the head dim d (a multiple of 8)
+    BLOCK_D: tl.constexpr,  # the width the tiles have: head_block(d), the next power of two >= 16
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # False: off-band tiles, all visible; True: the band / ragged tail
     CAUSAL: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
+    d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM  # [BLOCK_D] the real columns (zeros are loaded past d)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         # -- load one tile of keys and values --------------------------------
@@ -57,12 +60,12 @@ def _attn_fwd_inner(
                 # zeroing their values keeps a NaN or inf there out of this one (p = 0 times NaN is NaN)
                 v = tl.where((start_n + offs_n)[:, None] < Nk, v, 0.0)
         elif MASKED:
-            in_range = (start_n + offs_n)[:, None] < Nk  # [BLOCK_N, 1]
+            in_range = ((start_n + offs_n)[:, None] < Nk) & d_ok[None, :]  # [BLOCK_N, D]
             k = tl.load(k_ptrs + start_n * stride_kn, mask=in_range, other=0.0)  # [BLOCK_N, D]
             v = tl.load(v_ptrs + start_n * stride_vn, mask=in_range, other=0.0)  # [BLOCK_N, D]
         else:
-            k = tl.load(k_ptrs + start_n * stride_kn)  # [BLOCK_N, D]
-            v = tl.load(v_ptrs + start_n * stride_vn)  # [BLOCK_N, D]
+            k = _load_d(k_ptrs + start_n * stride_kn, d_ok, BLOCK_D != HEAD_DIM)  # [BLOCK_N, D]
+            v = _load_d(v_ptrs + start_n * stride_vn, d_ok, BLOCK_D != HEAD_DIM)  # [BLOCK_N, D]
         # -- scores, in base-2 units -----------------------------------------
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         if MASKED:
@@ -93,6 +96,7 @@ def _attn_fwd_rows(
     k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,  # as in _attn_fwd_inner
     start_m, offs_m, offs_n, qk_scale, Nk, diag,  # start_m: block index; offs_m: rows from 0 of the sequence
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -105,7 +109,7 @@ def _attn_fwd_rows(
     """
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running numerator
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running numerator (columns past d stay 0)
 
     # Tile classes. Off-band: keys [0, band_lo) are seen in full by every row.
     # On-band: keys [band_lo, band_hi) need a mask (diagonal, ragged tail).
@@ -121,12 +125,12 @@ def _attn_fwd_rows(
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,
         0, band_lo, offs_m, offs_n, qk_scale, Nk, diag,
-        BLOCK_N, False, CAUSAL, USE_TMA,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, USE_TMA,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,
         band_lo, band_hi, offs_m, offs_n, qk_scale, Nk, diag,
-        BLOCK_N, True, CAUSAL, USE_TMA,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, USE_TMA,
     )
 
     # epilogue: normalise; a row that saw no key gets O = 0, lse = -inf
@@ -147,6 +151,7 @@ def _attn_fwd(
     stride_ob, stride_oh, stride_om,
     H, Hkv, N, Nk, diag, qk_scale,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM): loads and stores along d are masked with HEAD_DIM
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -164,7 +169,8 @@ def _attn_fwd(
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N] key rows within a tile
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    offs_d = tl.arange(0, BLOCK_D)  # [D] (D = BLOCK_D, the columns past HEAD_DIM masked)
+    d_ok = offs_d < HEAD_DIM  # [D]
 
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
@@ -175,15 +181,16 @@ def _attn_fwd(
     kv_row0 = (off_b * Hkv + off_hkv) * Nk  # first row of this KV head in the [B*Hkv*Nk, D] view
 
     row_ok = offs_m < N  # [BLOCK_M] the last block may run past N
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+    io_ok = row_ok[:, None] & d_ok[None, :]  # [BLOCK_M, D]
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=io_ok, other=0.0)  # [BLOCK_M, D]
 
     acc, lse = _attn_fwd_rows(
         q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, 0,
         start_m, offs_m, offs_n, qk_scale, Nk, diag,
-        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA,
     )
     tl.store(LSE + off_bh.to(tl.int64) * N + offs_m, lse, mask=row_ok)
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), mask=io_ok)
 
 
 # ----------------------------------------------------------------------------
@@ -224,22 +231,26 @@ _attn_fwd_tuned = triton.autotune(
 def _use_tma_default(q):
     if interpreting() or q.device.type != "cuda":
         return False
-    return use_tma_for(_device_limits(q.device)[0], q.dtype)
+    return use_tma_for(_device_limits(q.device)[0], q.dtype) and use_tma_for((9, 0), q.dtype, q.shape[-1])
 
 
 def _check_use_tma(use_tma, q):
-    """An explicit use_tma=True on a GPU without TMA (before sm_90): a clear error, not a compile error."""
+    """An explicit use_tma=True on a GPU without TMA (before sm_90), or for a head dim that is not a power of two:
+    a clear error, not a compile error."""
     if use_tma and not interpreting() and q.device.type == "cuda":
         cap = _device_limits(q.device)[0]
         if not use_tma_for(cap, q.dtype):
             raise ValueError(f"use_tma=True needs TMA (compute capability 9.0 or newer, fp16 or bf16); this is "
                              f"sm_{cap[0]}{cap[1]} with {str(q.dtype).replace('torch.', '')}: leave use_tma=None")
+    if use_tma and head_block(q.shape[-1]) != q.shape[-1]:
+        raise ValueError(f"use_tma=True needs a head dim that is a power of two (16 .. 256); d = {q.shape[-1]} "
+                         f"takes the pointer path: leave use_tma=None")
 
 
 def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *, use_tma=None, config=None):
     """Attention forward: returns ``(O, lse)``.
 
-    q: [B, H, N, d]; k, v: [B, Hkv, Nk, d] (Nk may differ from N; H a multiple of
+    q: [B, H, N, d], d a multiple of 8 up to 256; k, v: [B, Hkv, Nk, d] (Nk may differ from N; H a multiple of
     Hkv: grouped-query attention, query head h reads KV head h // (H // Hkv)). fp16 or bf16 on
     a GPU (fp32 too, with tf32 dot products); fp32 or fp16 under the interpreter.
     O: [B, H, N, d] in q's dtype; lse: [B, H, N] float32, natural log of each
@@ -293,8 +304,8 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
             desc_k.block_shape = [cfg["BLOCK_N"], d]
             desc_v.block_shape = [cfg["BLOCK_N"], d]
         grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * H)
-        _attn_fwd[grid](*args, HEAD_DIM=d, CAUSAL=bool(causal), USE_TMA=bool(use_tma), **cfg)
+        _attn_fwd[grid](*args, HEAD_DIM=d, BLOCK_D=head_block(d), CAUSAL=bool(causal), USE_TMA=bool(use_tma), **cfg)
     else:
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _attn_fwd_tuned[grid](*args, HEAD_DIM=d, CAUSAL=bool(causal), USE_TMA=bool(use_tma))
+        _attn_fwd_tuned[grid](*args, HEAD_DIM=d, BLOCK_D=head_block(d), CAUSAL=bool(causal), USE_TMA=bool(use_tma))
     return o, lse

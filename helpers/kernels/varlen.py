@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .common import LOG2E, SHAPES, TensorDescriptor, _check_head_dim, _check_qkv, prune_for_device, tile_configs
+from .common import (LOG2E, SHAPES, TensorDescriptor, _check_head_dim, _check_qkv, head_block, prune_for_device,
+                     tile_configs)
 from .forward import _attn_fwd_rows, _check_use_tma, _set_kv_block_shape, _use_tma_default
 
 __all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m"]
@@ -93,6 +94,7 @@ def _attn_fwd_varlen(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     total_q, H, Hkv, qk_scale,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM): the columns past HEAD_DIM are masked
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -115,8 +117,9 @@ def _attn_fwd_varlen(
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows, counted from the sequence's first
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    offs_d = tl.arange(0, BLOCK_D)  # [D]
     row_ok = offs_m < N  # [BLOCK_M]
+    io_ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_M, D]
 
     q_base = Q + q_beg.to(tl.int64) * stride_qt + off_h.to(tl.int64) * stride_qh
     k_base = K + k_beg.to(tl.int64) * stride_kt + off_hkv.to(tl.int64) * stride_kh
@@ -124,7 +127,7 @@ def _attn_fwd_varlen(
     o_base = O + q_beg.to(tl.int64) * stride_ot + off_h.to(tl.int64) * stride_oh
     k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D]
     v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]  # [BLOCK_N, D]
-    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=io_ok, other=0.0)  # [BLOCK_M, D]
 
     # TMA: this sequence's keys of KV head off_hkv start at row k_beg, column off_hkv * D. A masked tile
     # may run into the next sequence's rows: their scores are masked to -inf and their values zeroed, so
@@ -132,10 +135,10 @@ def _attn_fwd_varlen(
     acc, lse = _attn_fwd_rows(
         q, k_ptrs, v_ptrs, stride_kt, stride_vt, desc_k, desc_v, k_beg, off_hkv * HEAD_DIM,
         start_m, offs_m, offs_n, qk_scale, Nk, diag,
-        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA,
     )
     tl.store(LSE + off_h.to(tl.int64) * total_q + q_beg + offs_m, lse, mask=row_ok)
-    tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty), mask=io_ok)
 
 
 # ----------------------------------------------------------------------------
@@ -154,7 +157,8 @@ _VARLEN_SHAPES = {
 
 
 def _d_class(d):
-    return 64 if d <= 64 else d
+    """The configuration class of head dim d: its padded width, with everything up to 64 in one class."""
+    return max(64, head_block(d))
 
 
 def _varlen_shapes(d):
@@ -216,27 +220,8 @@ def _check_cu_values(name, cu, total, max_seqlen, total_name, max_name):
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than sequence {b}'s length {longest}")
 
 
-def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                             sm_scale=None, *, validate=True, block_map=None, use_tma=None, config=None):
-    """Attention over packed sequences of different lengths: returns ``(O, lse)``.
-
-    q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv (query head h reads KV head
-    h // (H // Hkv)). cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device, 0 then the cumulative
-    lengths: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k, v[cu_seqlens_k[b]:
-    cu_seqlens_k[b + 1]]. Lengths may be 0 and may differ between q and k. max_seqlen_q, max_seqlen_k:
-    at least the longest lengths (the library's arguments; checked, not needed for the grid).
-
-    O: [total_q, H, d] in q's dtype; lse: [H, total_q] float32, natural log. causal: bottom-right per
-    sequence, row i of a sequence with lengths (n, nk) sees key j when j <= i + nk - n (the library's
-    convention); a row that sees no key (n > nk, or nk = 0) gets O = 0, lse = -inf.
-
-    validate: check the cu_seqlens values (0 first, non-decreasing, ending at total_q / total_k, within
-    max_seqlen): one copy to the host, a sync. False skips it (nothing then waits for the GPU; wrong
-    values give wrong results). block_map: the grid's map, ``varlen_block_map(cu_seqlens_q,
-    varlen_block_m(d), total_q)``, built once and passed to every layer's call of one batch (the
-    layers share cu_seqlens); None builds it here (about 25 small torch ops). ``use_tma`` and
-    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; None autotunes.
-    """
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, validate):
+    """The checks of the packed layout (the forward's and the backward's): returns (total_q, H, d, total_k, Hkv, B)."""
     _check_qkv(q, k, v, (3, 3, 3))
     total_q, H, d = q.shape
     total_k, Hkv, dk = k.shape
@@ -264,6 +249,32 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         both = torch.cat([cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)]).tolist()
         _check_cu_values("cu_seqlens_q", both[:B + 1], total_q, max_seqlen_q, "total_q (q.shape[0])", "max_seqlen_q")
         _check_cu_values("cu_seqlens_k", both[B + 1:], total_k, max_seqlen_k, "total_k (k.shape[0])", "max_seqlen_k")
+    return total_q, H, d, total_k, Hkv, B
+
+
+def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                             sm_scale=None, *, validate=True, block_map=None, use_tma=None, config=None):
+    """Attention over packed sequences of different lengths: returns ``(O, lse)``.
+
+    q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv (query head h reads KV head
+    h // (H // Hkv)). cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device, 0 then the cumulative
+    lengths: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k, v[cu_seqlens_k[b]:
+    cu_seqlens_k[b + 1]]. Lengths may be 0 and may differ between q and k. max_seqlen_q, max_seqlen_k:
+    at least the longest lengths (the library's arguments; checked, not needed for the grid).
+
+    O: [total_q, H, d] in q's dtype; lse: [H, total_q] float32, natural log. causal: bottom-right per
+    sequence, row i of a sequence with lengths (n, nk) sees key j when j <= i + nk - n (the library's
+    convention); a row that sees no key (n > nk, or nk = 0) gets O = 0, lse = -inf.
+
+    validate: check the cu_seqlens values (0 first, non-decreasing, ending at total_q / total_k, within
+    max_seqlen): one copy to the host, a sync. False skips it (nothing then waits for the GPU; wrong
+    values give wrong results). block_map: the grid's map, ``varlen_block_map(cu_seqlens_q,
+    varlen_block_m(d), total_q)``, built once and passed to every layer's call of one batch (the
+    layers share cu_seqlens); None builds it here (about 25 small torch ops). ``use_tma`` and
+    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; None autotunes.
+    """
+    total_q, H, d, total_k, Hkv, B = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                          max_seqlen_k, causal, validate)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     qk_scale = float(sm_scale) * LOG2E.value  # scores in base-2 units
@@ -303,7 +314,7 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         total_q, H, Hkv, qk_scale,
     )
     grid = (seq_idx.numel(), H)
-    meta = dict(HEAD_DIM=d, CAUSAL=causal, USE_TMA=bool(use_tma))
+    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), CAUSAL=causal, USE_TMA=bool(use_tma))
     if config is not None:
         cfg = dict(config)
         if use_tma:
