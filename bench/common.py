@@ -223,3 +223,28 @@ def save_figure(fig, path: str) -> None:
     """A results figure as the committed PNGs are: tight layout, 110 dpi."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# ----------------------------------------------------------------------------- training data
+
+
+def corpus_bytes() -> bytes:
+    """The course's own text, as bytes (a byte-level vocabulary of 256): README, CONTRIBUTING, the bench notes and
+    the worked notebooks' cells, read from this repository (the training scripts' data; no network)."""
+    import glob
+    parts = []
+    for path in [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "CONTRIBUTING.md"),
+                 os.path.join(ROOT, "bench", "NOTES.md")] + sorted(glob.glob(os.path.join(ROOT, "solutions", "*.ipynb"))):
+        if not os.path.exists(path):
+            continue
+        if path.endswith(".ipynb"):
+            with open(path) as f:
+                nb = json.load(f)
+            parts += ["".join(c["source"]) for c in nb["cells"]]
+        else:
+            with open(path) as f:
+                parts.append(f.read())
+    data = "\n\n".join(parts).encode("utf-8")
+    if len(data) < 10_000:
+        raise RuntimeError(f"corpus too small ({len(data)} bytes): run from the course's repository")
+    return data

@@ -23,7 +23,7 @@ if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is impor
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
-from common import RESULTS_DIR, ROOT, TIMING, bench_ms, log, run_meta, save_figure, subplots, write_json  # noqa: E402
+from common import RESULTS_DIR, TIMING, bench_ms, corpus_bytes, log, run_meta, save_figure, subplots, write_json  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -34,27 +34,6 @@ from helpers.kernels.backward import flash_attention  # noqa: E402
 GPU_CONFIG = dict(n_layer=6, n_head=12, d_model=768, T=2048, batch=16, steps=300, lr=1e-3, warmup=30, eval_every=50,
                   eval_batches=4)
 TINY_CONFIG = dict(n_layer=1, n_head=2, d_model=32, T=16, batch=2, steps=2, lr=3e-3, warmup=1, eval_every=2, eval_batches=1)
-
-
-def corpus_bytes() -> bytes:
-    """The course's own text, as bytes (a byte-level vocabulary of 256)."""
-    import glob
-    parts = []
-    for path in [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "CONTRIBUTING.md"),
-                 os.path.join(ROOT, "bench", "NOTES.md")] + sorted(glob.glob(os.path.join(ROOT, "solutions", "*.ipynb"))):
-        if not os.path.exists(path):
-            continue
-        if path.endswith(".ipynb"):
-            with open(path) as f:
-                nb = json.load(f)
-            parts += ["".join(c["source"]) for c in nb["cells"]]
-        else:
-            with open(path) as f:
-                parts.append(f.read())
-    data = "\n\n".join(parts).encode("utf-8")
-    if len(data) < 10_000:
-        raise RuntimeError(f"corpus too small ({len(data)} bytes): run from the course's repository")
-    return data
 
 
 class Block(nn.Module):

@@ -1,0 +1,261 @@
+"""A Llama-style model trained on packed documents with the course's varlen kernels and, from the same seed, with SDPA.
+
+    python3 bench/train_llama.py [--steps 200] [--out DIR]       # on a CUDA GPU (bf16 autocast)
+    python3 bench/train_llama.py --cpu --tiny --out DIR           # a tiny run under the Triton interpreter
+
+The model: RMSNorm, rotary position embeddings (RoPE, positions restart at every document), grouped-query
+attention (4 query heads per KV head, head dim 128), a SwiGLU MLP, untied output head; 8 layers at context 4096
+on a GPU. Data: the bytes of the course's own text (bench/common.py's ``corpus_bytes``) cut into documents of
+mixed length (lognormal, median 256 bytes; some of length 1), packed end to end into rows of T tokens, a row
+never splitting a document across rows (the last one is cut). Each token predicts the next one of its own
+document; a document's last token predicts nothing.
+
+The two runs differ only in the attention call:
+
+* ``course``: the batch as one packed stream, q ``[B*T, H, d]``, k, v ``[B*T, Hkv, d]``,
+  ``helpers.kernels.varlen_backward.flash_attention_varlen(..., cu_seqlens, cu_seqlens, max_len, max_len,
+  causal=True)`` (the FlashAttention library's ``flash_attn_varlen_func`` layout): no padding, no mask tensor,
+  K and V never repeated;
+* ``sdpa``: ``[B, H, T, d]`` with a boolean document mask ``[B, 1, T, T]`` (same document and j <= i), K and V
+  repeated to H heads, ``F.scaled_dot_product_attention`` with its default dispatch (the flash backend takes no
+  mask, so PyTorch picks another).
+
+Same seed, same initial weights, same batches. Writes <out>/train_llama.json (loss per step, tokens per
+second, settings, versions) and <out>/train_llama.png (both loss curves).
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+
+if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
+from common import RESULTS_DIR, corpus_bytes, log, run_meta, save_figure, subplots, write_json  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from helpers.kernels.varlen_backward import flash_attention_varlen  # noqa: E402
+
+GPU_CONFIG = dict(n_layer=8, n_head=16, n_kv_head=4, head_dim=128, T=4096, batch=4, steps=200, lr=6e-4, warmup=20,
+                  doc_median=256)
+TINY_CONFIG = dict(n_layer=1, n_head=2, n_kv_head=1, head_dim=16, T=32, batch=2, steps=2, lr=3e-3, warmup=1,
+                   doc_median=8)
+
+
+# ----------------------------------------------------------------------------- data: packed documents
+
+
+def documents(data: torch.Tensor, median: int, seed: int) -> list[tuple[int, int]]:
+    """Cut the byte stream into consecutive documents of lognormal lengths: [(start, length)]."""
+    g = torch.Generator().manual_seed(seed)
+    docs, pos = [], 0
+    while pos < len(data) - 1:
+        n = max(1, int(math.exp(math.log(median) + 1.0 * torch.randn((), generator=g).item())))
+        n = min(n, len(data) - 1 - pos)
+        docs.append((pos, n))
+        pos += n
+    return docs
+
+
+def packed_batches(data, docs, T, batch, steps, seed, device):
+    """(x, y, pos, doc_id, cu_seqlens, max_len) per step, the same for both runs. x, y, pos, doc_id: [batch, T];
+    y = -100 where a token has no next token in its document; cu_seqlens int32 [segments + 1] over the flat
+    batch (row after row); doc_id numbers the segments of the flat batch."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        xs, ys, ps, ids, lens = [], [], [], [], []
+        for _row in range(batch):
+            i = int(torch.randint(0, len(docs), (), generator=g))
+            filled = 0
+            x, y, p, d = [], [], [], []
+            while filled < T:
+                start, n = docs[i % len(docs)]
+                n = min(n, T - filled)                     # the row's last document is cut
+                seg = data[start:start + n + 1].tolist()   # n tokens and the one after them
+                x += seg[:n]
+                y += seg[1:n] + [-100]                     # the last token of a segment predicts nothing
+                p += list(range(n))
+                d += [len(lens)] * n
+                lens.append(n)
+                filled += n
+                i += 1
+            xs.append(x), ys.append(y), ps.append(p), ids.append(d)
+        cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+        yield (torch.tensor(xs, device=device), torch.tensor(ys, device=device), torch.tensor(ps, device=device),
+               torch.tensor(ids, device=device), cu.to(device), max(lens))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def rope(x, pos, base=10000.0):
+    """Rotary embedding of x [..., T, heads, d] at positions pos [..., T] (pairs (i, i + d/2) rotated)."""
+    d = x.shape[-1]
+    inv = base ** (-torch.arange(0, d // 2, device=x.device, dtype=torch.float32) / (d // 2))  # [d/2]
+    ang = pos.float()[..., None] * inv                                                         # [..., T, d/2]
+    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]                                # [..., T, 1, d/2]
+    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, attn):
+        super().__init__()
+        C, self.H, self.Hkv, self.d = cfg["n_head"] * cfg["head_dim"], cfg["n_head"], cfg["n_kv_head"], cfg["head_dim"]
+        self.attn = attn
+        self.n1, self.n2 = nn.RMSNorm(C), nn.RMSNorm(C)
+        self.wq = nn.Linear(C, self.H * self.d, bias=False)
+        self.wkv = nn.Linear(C, 2 * self.Hkv * self.d, bias=False)
+        self.wo = nn.Linear(self.H * self.d, C, bias=False)
+        hidden = 256 * math.ceil(8 * C / 3 / 256)
+        self.w13 = nn.Linear(C, 2 * hidden, bias=False)
+        self.w2 = nn.Linear(hidden, C, bias=False)
+
+    def forward(self, x, pos, cu, max_len, mask):
+        B, T, C = x.shape
+        h = self.n1(x)
+        q = rope(self.wq(h).view(B, T, self.H, self.d), pos)                     # [B, T, H, d]
+        k, v = self.wkv(h).view(B, T, 2, self.Hkv, self.d).unbind(2)             # each [B, T, Hkv, d]
+        k = rope(k, pos)
+        if self.attn == "course":
+            flat = [t.reshape(B * T, t.shape[2], self.d).contiguous() for t in (q, k, v)]  # [B*T, heads, d]
+            y = flash_attention_varlen(*flat, cu, cu, max_len, max_len, causal=True).view(B, T, self.H * self.d)
+        else:
+            g = self.H // self.Hkv
+            qs = q.transpose(1, 2)                                                # [B, H, T, d]
+            ks, vs = (t.transpose(1, 2).repeat_interleave(g, dim=1) for t in (k, v))
+            y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            y = y.transpose(1, 2).reshape(B, T, self.H * self.d)
+        x = x + self.wo(y)
+        a, b = self.w13(self.n2(x)).chunk(2, -1)
+        return x + self.w2(F.silu(a) * b)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg, attn, vocab=256):
+        super().__init__()
+        C = cfg["n_head"] * cfg["head_dim"]
+        self.tok = nn.Embedding(vocab, C)
+        self.blocks = nn.ModuleList(Block(cfg, attn) for _ in range(cfg["n_layer"]))
+        self.norm = nn.RMSNorm(C)
+        self.head = nn.Linear(C, vocab, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * cfg["n_layer"]) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, x, y, pos, doc_id, cu, max_len):
+        mask = None
+        if self.blocks[0].attn == "sdpa":  # same document and j <= i: [B, 1, T, T], built once per step
+            i = torch.arange(x.shape[1], device=x.device)
+            mask = ((doc_id[:, :, None] == doc_id[:, None, :]) & (i[None, :] <= i[:, None])[None])[:, None]
+        h = self.tok(x)
+        for blk in self.blocks:
+            h = blk(h, pos, cu, max_len, mask)
+        logits = self.head(self.norm(h))                                          # [B, T, vocab]
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train(attn, cfg, data, docs, device, dtype, seed=1234):
+    torch.manual_seed(seed)
+    model = Llama(cfg, attn).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg["warmup"])
+                                              * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg["steps"]))))
+    use_amp = device == "cuda"
+    losses, t_start, timed_tokens, segments = [], None, 0, []
+    skip = min(10, cfg["steps"] // 4)  # steps left out of the rate (compilation, autotuning)
+    steps = list(packed_batches(data, docs, cfg["T"], cfg["batch"], cfg["steps"], seed, "cpu"))  # built before timing
+    for step, (x, y, pos, doc_id, cu, max_len) in enumerate(steps):
+        x, y, pos, doc_id, cu = (t.to(device, non_blocking=True) for t in (x, y, pos, doc_id, cu))
+        if step == skip:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t_start = time.perf_counter()
+        with torch.autocast(device, dtype=dtype, enabled=use_amp):
+            loss = model(x, y, pos, doc_id, cu, max_len)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())  # .item() syncs: the rate includes the whole step
+        segments.append(len(cu) - 1)
+        if step >= skip:
+            timed_tokens += x.numel()
+        if (step + 1) % max(1, cfg["steps"] // 10) == 0:
+            log(f"  {attn:>6} step {step + 1:>4} loss {losses[-1]:.4f}")
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t_start
+    return {"loss": [round(v, 5) for v in losses], "tokens_per_s": round(timed_tokens / seconds, 1),
+            "timed_steps": cfg["steps"] - skip, "documents_per_step": round(sum(segments) / len(segments), 1),
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None}
+
+
+def plot(res, path):
+    fig, ax = subplots(figsize=(7, 4))
+    for name, style, label in (("course", "-", "course flash_attention_varlen (Triton)"),
+                               ("sdpa", "--", "SDPA, document mask")):
+        r = res["runs"][name]
+        ax.plot(range(1, len(r["loss"]) + 1), r["loss"], style, lw=1,
+                label=f"{label}: {r['tokens_per_s'] / 1e3:.0f}k tokens/s")
+    c = res["config"]
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_title(f"Llama-style {c['n_layer']}L H={c['n_head']} Hkv={c['n_kv_head']} d={c['head_dim']} T={c['T']} "
+                 f"B={c['batch']}, packed documents ({res['device_name']}, {res['date']})", fontsize=8)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU under TRITON_INTERPRET=1 (fp32)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny configuration (1 layer, T = 32, 2 steps)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--out", default=RESULTS_DIR)
+    args = ap.parse_args()
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("train_llama.py needs a CUDA GPU (or --cpu --tiny for the interpreter)")
+    cfg = dict(TINY_CONFIG if args.tiny else GPU_CONFIG)
+    if args.steps:
+        cfg["steps"] = args.steps
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+    docs = documents(data, cfg["doc_median"], seed=7)
+    meta = run_meta(torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)")
+    res = {"config": cfg, "dtype": str(dtype).replace("torch.", ""), "device": device,
+           "device_name": meta["gpu"], "torch": meta["torch"], "triton": meta["triton"], "date": meta["date"],
+           "corpus_bytes": len(data), "documents": len(docs),
+           "document_lengths": {"min": min(n for _, n in docs), "median": sorted(n for _, n in docs)[len(docs) // 2],
+                                "max": max(n for _, n in docs)},
+           "parameters": sum(p.numel() for p in Llama(cfg, "course").parameters()), "runs": {}}
+    for attn in ("course", "sdpa"):
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        res["runs"][attn] = train(attn, cfg, data, docs, device, dtype)
+        log(f"{attn}: final loss {res['runs'][attn]['loss'][-1]:.4f}, {res['runs'][attn]['tokens_per_s']:.0f} tokens/s")
+    a, b = res["runs"]["course"]["loss"], res["runs"]["sdpa"]["loss"]
+    res["max_loss_diff"] = round(max(abs(x - y) for x, y in zip(a, b)), 6)
+    tail = max(1, len(a) // 10)
+    res["last_tenth_mean_loss"] = {"course": round(sum(a[-tail:]) / tail, 5), "sdpa": round(sum(b[-tail:]) / tail, 5)}
+    res["speedup_tokens_per_s"] = round(res["runs"]["course"]["tokens_per_s"] / res["runs"]["sdpa"]["tokens_per_s"], 3)
+    write_json(os.path.join(args.out, "train_llama.json"), res)
+    plot(res, os.path.join(args.out, "train_llama.png"))
+    log(f"max |loss_course - loss_sdpa| over steps: {res['max_loss_diff']}; mean loss over the last tenth: "
+        f"{res['last_tenth_mean_loss']}; tokens/s ratio course/sdpa: {res['speedup_tokens_per_s']}")
+
+
+if __name__ == "__main__":
+    main()
