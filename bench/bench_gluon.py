@@ -1,13 +1,14 @@
 """Lesson 11's Gluon forward on one Hopper GPU against the course's Triton forward and SDPA's backends.
 
-    python3 bench/bench_gluon.py [--ws] [--N 4096 16384]
+    python3 bench/bench_gluon.py [--variant one ws overlap pp] [--N 4096 16384] [--out PATH]
 
 Non-causal bf16 and fp16, d = 64 and 128, B * N = 32768 tokens (H = 32 for d = 64, 16 for d = 128). Each Gluon
 row is checked first against float64 (FlashAttention's rule, as in bench.py: error at most twice SDPA's own in
-the same dtype) and timed only when correct. ``--ws`` adds the warp-specialised variant (a producer warp that only
-issues TMA loads; run it after ``python -m helpers.kernels.gluon_forward --warp-specialize`` passed, since a
-barrier mistake hangs rather than fails). Timing: bench/common.py's do_bench median, L2 flushed. Writes
-bench/results/gluon_<gpu>.json after every row and prints a short table last.
+the same dtype) and timed only when correct. ``--variant`` picks the Gluon variants (``gluon_forward.VARIANTS``;
+default ``one``; ``--ws`` adds ``ws``): run a new one after ``python -m helpers.kernels.gluon_forward --variant X``
+passed, since a barrier mistake hangs rather than fails. Rows are keyed ``gluon`` (one), ``gluon_<variant>``.
+Timing: bench/common.py's do_bench median, L2 flushed. Writes bench/results/gluon_<gpu>.json (or ``--out``) after
+every row and prints a short table last.
 """
 import argparse
 import os
@@ -25,15 +26,21 @@ from helpers.kernels.forward import flash_attn_triton  # noqa: E402
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--N", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--ws", action="store_true", help="also the warp-specialised Gluon kernel")
+    ap.add_argument("--variant", nargs="+", default=["one"], help="Gluon variants: one, ws, overlap, pp")
+    ap.add_argument("--ws", action="store_true", help="also the warp-specialised Gluon kernel (--variant ... ws)")
+    ap.add_argument("--out", default=None, help="the JSON to write (default bench/results/gluon_<gpu>.json)")
     args = ap.parse_args(argv)
+    names = list(dict.fromkeys(args.variant + (["ws"] if args.ws else [])))
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench_gluon.py needs an sm_90 GPU (H100, H200)")
-    from helpers.kernels.gluon_forward import gluon_forward
+    from helpers.kernels.gluon_forward import VARIANTS, gluon_forward
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        sys.exit(f"unknown --variant {bad}: choose from {list(VARIANTS)}")
     gpu = torch.cuda.get_device_name()
-    path = results_path(gpu, prefix="gluon_")
+    path = args.out or results_path(gpu, prefix="gluon_")
     result = {"meta": run_meta(gpu, timing=TIMING, causal=False), "rows": []}
-    variants = [("gluon", False)] + ([("gluon_ws", True)] if args.ws else [])
+    variants = [("gluon" if n == "one" else f"gluon_{n}", n) for n in names]      # (row key, variant)
     for dtype in (torch.bfloat16, torch.float16):
         for d in (64, 128):
             for N in args.N:
@@ -41,9 +48,9 @@ def main(argv=None):
                 q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
                 flops = 4 * B * H * N * N * d
                 row = {"dtype": str(dtype).replace("torch.", ""), "d": d, "N": N, "B": B, "H": H}
-                for name, ws in variants:
+                for name, var in variants:
                     try:
-                        o, lse = gluon_forward(q, k, v, warp_specialize=ws)
+                        o, lse = gluon_forward(q, k, v, variant=var)
                         chk = check_prefill(q, k, v, False, o, lse)
                     except Exception as e:  # noqa: BLE001 - recorded in the row
                         row[f"{name}_error"] = why(e, 200)
@@ -51,7 +58,7 @@ def main(argv=None):
                     row[f"{name}_pass"] = chk["pass"]
                     row[f"{name}_err_ratio"] = round(chk["err"] / max(chk["sdpa_err"], 1e-12), 2)
                     if chk["pass"]:
-                        ms = bench_ms(lambda: gluon_forward(q, k, v, warp_specialize=ws))
+                        ms = bench_ms(lambda: gluon_forward(q, k, v, variant=var))
                         row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
                 ms = bench_ms(lambda: flash_attn_triton(q, k, v))
                 row["triton_tflops"] = round(flops / ms / 1e9, 1)

@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import results
+
 __all__ = ["wait_full", "wait_empty", "load", "compute", "release", "agents", "Violation", "Run", "simulate",
            "PROFILES", "first_violation", "fa3_schedule_ref", "expected_parity", "count_forward_ops",
            "softmax_share", "PAPER", "plot_timeline", "tensor_core_busy", "require_hopper", "hopper_here",
-           "NO_HOPPER", "show_recorded_hopper"]
+           "NO_HOPPER", "show_recorded_hopper", "bench_gluon_live"]
 
 
 # ------------------------------------------------------------------ the operations of a schedule
@@ -561,25 +563,75 @@ def hopper_here() -> str:
 
 def require_hopper() -> bool:
     """True if the GPU section can run; otherwise print its one line and return False (no exception: the CPU
-    parts above must run clean everywhere, in nbval and in JupyterLab)."""
+    parts above must run clean everywhere, in nbval and in JupyterLab). The recorded H200 figures are shown by
+    the next cell, ``show_recorded_hopper()``, on every machine."""
     why = hopper_here()
     if why:
-        print(why)
-        show_recorded_hopper()
+        print(why + " The figures recorded on an H200 follow.")
         return False
     return True
 
 
-RECORDED_HOPPER = None    # the H200 figures of the Gluon forward: none recorded yet (filled in from bench/ once run)
+def show_recorded_hopper(res=None):
+    """The recorded H200 figures of this lesson's Gluon kernels (``bench/results/gluon_h200.json``, written by
+    ``bench/bench_gluon.py``): the table with its GPU, versions, date and statistic, then the plot. Returns the
+    figure (None when nothing is recorded)."""
+    res = results.load_gluon() if res is None else res
+    if not res or not res.get("rows"):
+        print(f"No H200 figures are recorded for this lesson's Gluon forward ({results.GLUON.name} is missing): "
+              "none are typed in here.")
+        return None
+    print(results.gluon_table(res))
+    return results.plot_gluon(res)
 
 
-def show_recorded_hopper():
-    """The recorded H200 figures of this lesson's Gluon kernel, or a line saying there are none yet."""
-    if RECORDED_HOPPER is None:
-        print("No H200 figures are recorded for this lesson's Gluon forward yet (placeholder: they will be read "
-              "from bench/results/ once measured; none are typed in here).")
-    else:                                                        # pragma: no cover - filled in once measured
-        print(RECORDED_HOPPER)
+def bench_gluon_live(shapes=((1, 16, 4096, 128), (2, 32, 4096, 64)), dtype=torch.bfloat16,
+                     variants=("one", "ws")):
+    """On an sm_90 GPU: a small live version of bench/bench_gluon.py, rows shaped like its record (``meta``,
+    ``rows``), so that ``results.gluon_table`` prints them. ``variants``: ``gluon_forward``'s (``"one"``, ``"ws"``,
+    ``"pp"``), recorded as ``gluon``, ``gluon_ws``, ``gluon_pp``. Each Gluon variant is checked against float64 first
+    (2x SDPA's own error) and timed only when correct; do_bench's median, L2 flushed by do_bench."""
+    import torch.nn.functional as F
+    import triton
+    from triton.testing import do_bench
+
+    from .kernels.forward import flash_attn_triton
+    from .kernels.gluon_forward import gluon_forward
+
+    def ms(fn):
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def sdpa(backend, q, k, v):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        b = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+        try:
+            with sdpa_kernel(b):
+                return ms(lambda: F.scaled_dot_product_attention(q, k, v))
+        except RuntimeError:                                     # that backend cannot take this shape here
+            return None
+
+    rows = []
+    for B, H, N, d in shapes:
+        q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
+        flops = 4 * B * H * N * N * d
+        o64 = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+        sdpa_err = (F.scaled_dot_product_attention(q, k, v).double() - o64).abs().max().item()
+        row = {"dtype": str(dtype).replace("torch.", ""), "d": d, "N": N, "B": B, "H": H}
+        for var in variants:
+            key = "gluon" if var == "one" else f"gluon_{var}"
+            o, _ = gluon_forward(q, k, v, variant=var)
+            row[f"{key}_pass"] = (o.double() - o64).abs().max().item() <= 2 * sdpa_err + torch.finfo(dtype).eps
+            if row[f"{key}_pass"]:
+                row[f"{key}_tflops"] = flops / ms(lambda: gluon_forward(q, k, v, variant=var)) / 1e9
+        row["triton_tflops"] = flops / ms(lambda: flash_attn_triton(q, k, v)) / 1e9
+        for backend in ("flash", "cudnn"):
+            t = sdpa(backend, q, k, v)
+            row[f"sdpa_{backend}_tflops"] = None if t is None else flops / t / 1e9
+        rows.append(row)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": "now (this notebook)", "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms)",
+            "causal": False}
+    return {"meta": meta, "rows": rows}
 
 
 def random_cases(seed: int, n: int):

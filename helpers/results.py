@@ -1,6 +1,6 @@
 """The recorded GPU results as the lessons read them: every reader of ``bench/results/``, the label of a
 section (GPU, versions, date), a section's rows, the geometric-mean ratios, and the tables the lessons
-print (07: prefill and decode, 08: backward, 09: the ring, 10: serving).
+print (07: prefill and decode, 08: backward, 09: the ring, 10: serving, 11: the Gluon forward).
 
 Files (written by the bench scripts through ``bench/common.py``):
 - ``h200.json`` (``RESULTS``, lessons 07, 08 and 10): one section per script (``prefill``, ``decode``,
@@ -8,6 +8,9 @@ Files (written by the bench scripts through ``bench/common.py``):
   gpu/torch/triton/date are the prefill run's in files written before each section carried a meta.
 - ``train_gpt.json`` (``TRAINING``, lesson 08): bench/train_gpt.py's record.
 - ``ring_h200x2.json`` (``RING``, lesson 09): bench/ring_gpu.py's two-GPU rows.
+- ``gluon_h200.json`` (``GLUON``, lesson 11): bench/bench_gluon.py's ``meta`` and ``rows`` (non-causal; per row
+  ``<variant>_tflops`` of the Gluon kernels beside ``triton_tflops`` and SDPA's ``sdpa_flash_tflops``,
+  ``sdpa_cudnn_tflops``).
 """
 from __future__ import annotations
 
@@ -18,12 +21,14 @@ from pathlib import Path
 __all__ = ["RESULTS", "TRAINING", "RING", "load_json", "load_results", "load_training", "load_gpu_results",
            "results_label", "section_rows", "plot_tflops", "geomean", "geomean_ratio", "fmt", "decode_rows", "prefill_table",
            "decode_table", "backward_table", "gpu_results_table", "NOT_MEASURED", "serving_results",
-           "serving_tables"]
+           "serving_tables", "GLUON", "GLUON_VARIANTS", "load_gluon", "gluon_label", "gluon_ratios",
+           "gluon_table", "plot_gluon"]
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 RESULTS = RESULTS_DIR / "h200.json"
 TRAINING = RESULTS_DIR / "train_gpt.json"
 RING = RESULTS_DIR / "ring_h200x2.json"
+GLUON = RESULTS_DIR / "gluon_h200.json"
 
 
 def load_json(path):
@@ -256,3 +261,76 @@ def serving_tables(res) -> str:
     else:
         out.append(f"  {NOT_MEASURED}")
     return "\n".join(out)
+
+
+# lesson 11: the Gluon forward on Hopper (bench/bench_gluon.py)
+GLUON_VARIANTS = {"gluon": "one partition", "gluon_ws": "producer warp + consumers",
+                  "gluon_overlap": "2 consumer warpgroups, intra-warpgroup overlap",
+                  "gluon_pp": "2 consumer warpgroups, ping-pong + overlap"}
+
+
+def load_gluon(path=GLUON):
+    """bench/bench_gluon.py's record (``{"meta", "rows"}``), or None when none is recorded."""
+    return load_json(path)
+
+
+def gluon_label(res) -> str:
+    """GPU, versions, date and the timing statistic of a Gluon record."""
+    meta = (res or {}).get("meta", {})
+    return (results_label(meta) + f" · {'causal' if meta.get('causal') else 'non-causal'} · "
+            f"{meta.get('timing', 'timing not recorded')}")
+
+
+def _gluon_rows(res):
+    return sorted((res or {}).get("rows", []), key=lambda r: (r["dtype"], r["d"], r["N"]))
+
+
+def gluon_ratios(res, min_N: int = 0) -> dict:
+    """``{(variant, peer): (geomean, lowest, highest)}`` of ``variant_tflops / peer_tflops`` over the rows with
+    N >= min_N where both were measured, for each Gluon variant present and peer triton, sdpa_flash, sdpa_cudnn."""
+    out = {}
+    rows = [r for r in _gluon_rows(res) if r["N"] >= min_N]
+    for var in GLUON_VARIANTS:
+        for peer in ("triton", "sdpa_flash", "sdpa_cudnn"):
+            xs = [r[f"{var}_tflops"] / r[f"{peer}_tflops"] for r in rows
+                  if r.get(f"{var}_tflops") and r.get(f"{peer}_tflops")]
+            if xs:
+                out[(var, peer)] = (geomean(xs), min(xs), max(xs))
+    return out
+
+
+def gluon_table(res) -> str:
+    """A plain-text table of a Gluon record: TFLOP/s of each Gluon variant, the course's Triton forward and SDPA's
+    flash and cuDNN backends, the one-partition kernel's ratios, then the geomean ratios; labelled with the GPU,
+    versions, date and statistic."""
+    rows = _gluon_rows(res)
+    variants = [v for v in GLUON_VARIANTS if any(f"{v}_tflops" in r or f"{v}_error" in r for r in rows)]
+    lines = [f"Gluon forward, TFLOP/s (FLOPs = 4·B·H·N²·d); {gluon_label(res)}",
+             f"{'dtype':>8} {'d':>4} {'N':>6} {'B':>3} {'H':>3} " + " ".join(f"{v:>9}" for v in variants) +
+             f" {'triton':>7} {'flash':>7} {'cudnn':>7} {'g/triton':>8} {'g/cudnn':>8} {'ok':>3}"]
+    for r in rows:
+        g, t, cu = r.get("gluon_tflops"), r.get("triton_tflops"), r.get("sdpa_cudnn_tflops")
+        ok = all(r.get(f"{v}_pass") for v in variants)
+        lines.append(f"{r['dtype']:>8} {r['d']:>4} {r['N']:>6} {r['B']:>3} {r['H']:>3} " +
+                     " ".join(f"{_f(r.get(f'{v}_tflops')):>9}" for v in variants) +
+                     f" {_f(t):>7} {_f(r.get('sdpa_flash_tflops')):>7} {_f(cu):>7} {_ratio(g, t):>8} "
+                     f"{_ratio(g, cu):>8} {'✓' if ok else '✗':>3}")
+    lines.append("  ✓: every Gluon variant's O within 2x SDPA's own error against float64 (timed only then)")
+    for (var, peer), (gm, lo, hi) in gluon_ratios(res).items():
+        lines.append(f"  {GLUON_VARIANTS[var]} / {peer.replace('sdpa_', 'SDPA ')}: geomean {gm:.2f}x "
+                     f"({lo:.2f}-{hi:.2f}x over {len(rows)} rows)")
+    return "\n".join(lines)
+
+
+def plot_gluon(res):
+    """TFLOP/s against N, one panel per (dtype, d), one line per Gluon variant and peer (``plot_tflops``)."""
+    impls = [(f"{v}_tflops", f"Gluon: {label}", style) for (v, label), style in
+             zip(GLUON_VARIANTS.items(), ("o-", "s--", "v-", "^-."))]
+    impls += [("triton_tflops", "course Triton (tl)", "k.-"), ("sdpa_flash_tflops", "SDPA flash", "x:"),
+              ("sdpa_cudnn_tflops", "SDPA cuDNN", "d:")]
+    meta = (res or {}).get("meta", {})
+    shaped = {"gluon": [dict(r, causal=bool(meta.get("causal"))) for r in (res or {}).get("rows", [])],
+              "gluon_meta": meta}
+    fig = plot_tflops(shaped, "gluon", impls, empty="no Gluon rows recorded")
+    fig.suptitle("Gluon forward: " + gluon_label(res), fontsize=9)
+    return fig

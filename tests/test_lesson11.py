@@ -2,6 +2,7 @@
 other correct schedules, the softmax count, and the Gluon kernel compiled for sm_90 where Triton has Gluon."""
 import importlib.util
 import math
+import re
 
 import pytest
 
@@ -240,7 +241,28 @@ def test_gpu_section_says_one_line_without_hopper(capsys, monkeypatch):
     monkeypatch.setattr(L, "hopper_here", lambda: L.NO_HOPPER + " This machine has no CUDA GPU.")
     assert L.require_hopper() is False
     out = capsys.readouterr().out
-    assert out.startswith(L.NO_HOPPER) and "none are typed in" in out
+    assert out.startswith(L.NO_HOPPER) and out.count("\n") == 1 and "recorded on an H200 follow" in out
+
+
+def test_recorded_hopper_figures_are_shown_with_their_label(capsys, monkeypatch):
+    """The recorded table names the GPU, versions, date and statistic; its ratios are the record's own."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from helpers import results
+    res = results.load_gluon()
+    assert res and res["meta"]["gpu"] == "NVIDIA H200" and len(res["rows"]) == 8
+    fig = L.show_recorded_hopper(res)
+    out = capsys.readouterr().out
+    for word in ("NVIDIA H200", "torch 2.11.0+cu130", "triton 3.6.0", "2026-12-01", "median", "non-causal"):
+        assert word in out, word
+    assert "one partition / triton: geomean 0.96x (0.91-1.03x over 8 rows)" in out
+    assert "one partition / SDPA cudnn: geomean 0.91x (0.83-0.98x over 8 rows)" in out
+    assert "producer warp + consumers / triton: geomean 0.77x (0.74-0.80x over 8 rows)" in out
+    assert len(fig.axes) == 4 and "NVIDIA H200" in fig._suptitle.get_text()
+    plt.close(fig)
+    monkeypatch.setattr(results, "load_gluon", lambda: None)
+    assert L.show_recorded_hopper() is None and "none are typed in" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ Part B: the Gluon forward compiles for sm_90
@@ -263,10 +285,11 @@ _COMPILE = """
 import json
 from helpers.kernels.gluon_forward import compile_for_sm90
 out = {}
-for d, dt, ws in ((64, "bf16", False), (128, "fp16", False), (64, "fp16", True), (128, "bf16", True)):
-    ptx = compile_for_sm90(d=d, dtype=dt, warp_specialize=ws)
-    out[f"{d} {dt}{' ws' if ws else ''}"] = [k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx")
-                        if k in ptx]
+for d, dt, var in ((64, "bf16", "one"), (128, "fp16", "one"), (64, "fp16", "ws"), (128, "bf16", "ws"),
+                   (64, "bf16", "pp"), (128, "fp16", "pp"), (128, "bf16", "overlap")):
+    ptx = compile_for_sm90(d=d, dtype=dt, variant=var)
+    out[f"{d} {dt} {var}"] = [k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity",
+                                          "ex2.approx", "wgmma.wait_group.sync.aligned 1") if k in ptx]
 print(json.dumps(out))
 """
 
@@ -285,7 +308,9 @@ def test_gluon_forward_compiles_for_sm90():
     assert r.returncode == 0, r.stderr[-3000:]
     found = json.loads(r.stdout.strip().splitlines()[-1])
     want = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx"]
-    assert found == {"64 bf16": want, "128 fp16": want, "64 fp16 ws": want, "128 bf16 ws": want}, found
+    overlap = want + ["wgmma.wait_group.sync.aligned 1"]       # waits for S_j while P_{j-1} V_{j-1} still runs
+    assert found == {"64 bf16 one": want, "128 fp16 one": want, "64 fp16 ws": want, "128 bf16 ws": want,
+                     "64 bf16 pp": overlap, "128 fp16 pp": overlap, "128 bf16 overlap": overlap}, found
 
 
 def _kernel_waits(fn_name):
@@ -327,3 +352,68 @@ def test_the_warp_specialised_kernels_waits_follow_the_simulated_rule():
         assert L.first_violation(kernel_schedule, n, s, 1) is None, (n, s)
     for j in range(20):                                   # the one-partition kernel waits on full as the consumer does
         assert single["full"](j, 2) == cons["full"](j, 2) == L.expected_parity("full", j // 2)
+
+
+def test_the_pingpong_kernels_waits_follow_the_simulated_rule():
+    """_attn_fwd_pp: its producer and both consumer warpgroups wait with the rule's parities (two consumers, a
+    stage freed only after both released it), and each warpgroup's k-th turn waits parity k % 2."""
+    prod, cons = _kernel_waits("_pp_producer"), _kernel_waits("_pp_consumer")
+    assert set(prod) == {"empty"} and set(cons) == {"full", "turn"}
+
+    def kernel_schedule(num_tiles, num_stages, num_consumers):
+        out = {"producer": [op for j in range(num_tiles) for op in
+                            (wait_empty(j % num_stages, prod["empty"](j, num_stages)), load(j % num_stages, j))]}
+        for c in range(num_consumers):
+            out[f"consumer{c}"] = [op for j in range(num_tiles) for op in
+                                   (wait_full(j % num_stages, cons["full"](j, num_stages)),
+                                    compute(j % num_stages, j), release(j % num_stages))]
+        return out
+    for n, s, _ in L.random_cases(11, 40) + [(9, 3, 2), (1, 3, 2)]:
+        assert L.first_violation(kernel_schedule, n, s, 2) is None, (n, s)
+    for j in range(8):
+        assert cons["turn"](j, 3) == j % 2
+
+
+# ------------------------------------------------------------------ gluon_forward's input checks, on the CPU
+def _gluon_module():
+    why = _gluon_hopper_api()
+    if why:
+        pytest.skip(why)
+    from helpers.kernels import gluon_forward
+    return gluon_forward
+
+
+@pytest.mark.parametrize("args, kwargs, err, words", [
+    ("list q", {}, TypeError, "q must be a torch.Tensor"),
+    ("3d q", {}, ValueError, "q must be [B, H, N, d]"),
+    ("float32", {}, TypeError, "bfloat16 or float16"),
+    ("mixed dtypes", {}, TypeError, "must share a dtype"),
+    ("other heads", {}, ValueError, "no GQA"),
+    ("v shape", {}, ValueError, "v must have k's shape"),
+    ("d = 32", {}, ValueError, "must be one of 64, 128"),
+    ("Nk = 0", {}, ValueError, "at least one query and one key"),
+    ("cpu", {}, ValueError, "needs an sm_90 GPU"),
+    ("cpu", {"variant": "pingpong"}, ValueError, "variant must be one of one, ws, overlap, pp"),
+    ("cpu", {"sm_scale": "0.1"}, TypeError, "sm_scale must be a Python number"),
+])
+def test_gluon_forward_says_what_is_wrong_before_any_gpu_work(args, kwargs, err, words):
+    import torch
+    G = _gluon_module()
+    bf = dict(dtype=torch.bfloat16)
+    q, k, v = (torch.zeros(1, 2, 8, 64, **bf) for _ in range(3))
+    inputs = {"list q": ([[0.0]], k, v), "3d q": (q[0], k, v), "float32": (q.float(), k.float(), v.float()),
+              "mixed dtypes": (q, k.half(), v), "other heads": (q, torch.zeros(1, 1, 8, 64, **bf), v),
+              "v shape": (q, k, torch.zeros(1, 2, 9, 64, **bf)),
+              "d = 32": tuple(torch.zeros(1, 2, 8, 32, **bf) for _ in range(3)),
+              "Nk = 0": (q, torch.zeros(1, 2, 0, 64, **bf), torch.zeros(1, 2, 0, 64, **bf)), "cpu": (q, k, v)}[args]
+    with pytest.raises(err, match=re.escape(words)):
+        G.gluon_forward(*inputs, **kwargs)
+
+
+def test_gluon_forward_uses_the_kernels_shared_constants():
+    """qk_scale and the lse's base change come from helpers.kernels.common, not from copies."""
+    G = _gluon_module()
+    from helpers.kernels import common
+    assert G.LOG2E is common.LOG2E and G.LN2 is common.LN2
+    src = (ROOT / "helpers" / "kernels" / "gluon_forward.py").read_text()
+    assert "1.4426950408889634" not in src and "0.6931471805599453" not in src

@@ -1,4 +1,5 @@
-"""The course's GPU kernels, one module per kernel family (Triton; run by Triton's interpreter without a GPU).
+"""The course's GPU kernels, one module per kernel family (Triton; all but the Gluon one run under Triton's
+interpreter without a GPU).
 
 * ``forward``: ``flash_attn_triton`` — the FlashAttention-2 forward, dense, GQA, both causal alignments (lesson 07).
 * ``decode``: ``flash_decode_triton`` — Flash-Decoding, split-KV with the merge in the same launch (lessons 07, 10).
@@ -9,6 +10,9 @@
 * ``varlen_backward``: ``flash_attention_varlen`` (autograd, the library's ``flash_attn_varlen_func``) and
   ``flash_attn_varlen_bwd_triton`` — the backward over the packed layout, GQA included.
 * ``kvcache``: ``flash_attn_with_kvcache_triton`` — a contiguous or paged KV cache (lesson 10).
+* ``gluon_forward``: ``gluon_forward`` — lesson 11's forward in Gluon for Hopper (sm_90 only: TMA, mbarriers,
+  ``warpgroup_mma``), non-causal; variants with one partition, a producer warp, and two consumer warpgroups with
+  FA3's intra-warpgroup overlap and ping-pong. No interpreter: compile-only without an H100/H200.
 * ``common``: what they share: ``LOG2E``/``LN2``, the input checks, the tile configurations and what fits a GPU.
 
 Import from the family's module (``from helpers.kernels.forward import flash_attn_triton``); this file imports

@@ -9,17 +9,28 @@ specialisation yet), so a stage is refilled only after both GEMMs that read it h
 next ``NUM_STAGES - 1`` tiles are in flight while a tile is computed. Non-causal, d = 64 or 128, bf16 or fp16,
 ragged N and Nk. Returns ``(O, lse)`` like ``flash_attn_triton`` (lse in natural log, float32).
 
-What it is not yet: FA3's two consumer warpgroups in ping-pong, or the intra-warpgroup overlap of the softmax
-with the next QKᵀ (``_attn_fwd_ws`` has the producer warp and one consumer partition). Written against Gluon as
-shipped in Triton 3.6 (``triton.experimental.gluon``; it also compiles under 3.9, where the TMA load is named
-``async_load``). Nothing here runs under Triton's interpreter.
+Three more variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
+* ``"ws"``, ``_attn_fwd_ws``: FA3's split with ``gl.warp_specialize``, a producer warp that only issues TMA loads and
+  one consumer partition, full and empty barriers per stage (lesson 11's schedule with one consumer). It adds
+  hand-overs but overlaps no softmax with the tensor cores.
+* ``"overlap"`` and ``"pp"``, ``_attn_fwd_pp``: the producer warp feeds two consumer warpgroups, each owning 64 of the
+  CTA's 128 query rows (empty barriers expect two releases). Each warpgroup issues S_j = Q K_jᵀ and P_{j-1} V_{j-1}
+  asynchronously, waits for S_j alone and runs tile j's softmax while P_{j-1} V_{j-1} is on the tensor cores (FA3's
+  intra-warpgroup overlap, Algorithm 2). ``"pp"`` adds ping-pong: the warpgroups take turns to issue their GEMMs
+  (two mbarriers, ``turn``; FA3 uses named barriers), so one's softmax runs under the other's GEMMs.
 
-On an sm_90 GPU: ``python -m helpers.kernels.gluon_forward`` (``gluon_forward_selftest()``, one line per case);
-add ``--warp-specialize`` for ``_attn_fwd_ws``, the same kernel split as FA3 splits it (a producer warp that only
-issues TMA loads, the compute warps, full and empty barriers per stage: lesson 11's schedule with one consumer).
-Both compile for sm_90; neither has run natively yet.
-Without one: ``compile_for_sm90(d, dtype, warp_specialize)`` compiles it for sm_90 (TTGIR, PTX, a cubin through the
-ptxas in Triton's wheel; no GPU needed) and returns the PTX.
+Measured on an H200 (2026-12-01, ``bench/results/gluon_h200.json``): ``"one"`` and ``"ws"`` correct in 20 of 20
+harsh cases each; ``"one"`` 0.91-1.03x the course's Triton forward, ``"ws"`` 0.74-0.80x. ``"overlap"`` and ``"pp"``
+compile for sm_90 (Triton 3.6 and 3.9) but have not run natively yet: no claim about their speed is made here.
+Written against Gluon as shipped in Triton 3.6 (``triton.experimental.gluon``; it also compiles under 3.9, where the
+TMA load is named ``async_load``). Nothing here runs under Triton's interpreter.
+
+On an sm_90 GPU: ``python -m helpers.kernels.gluon_forward [--variant one|ws|overlap|pp]``
+(``gluon_forward_selftest()``, one line per case; ``--warp-specialize`` is ``--variant ws``), and
+``bench/bench_gluon.py --variant ...`` for the timings. ``gluon_forward`` checks its inputs on the host first
+(TypeError/ValueError; a CPU tensor: "needs an sm_90 GPU").
+Without one: ``compile_for_sm90(d, dtype, variant=...)`` compiles a variant for sm_90 (TTGIR, PTX, a cubin through
+the ptxas in Triton's wheel; no GPU needed) and returns the PTX.
 """
 from __future__ import annotations
 
@@ -28,15 +39,15 @@ import math
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
 
-__all__ = ["gluon_forward", "gluon_forward_selftest", "compile_for_sm90", "BLOCKS"]
+from .common import LN2, LOG2E
+
+__all__ = ["gluon_forward", "gluon_forward_selftest", "compile_for_sm90", "BLOCKS", "PP_BLOCKS", "VARIANTS"]
 
 # The TMA load's name: async_copy_global_to_shared in Triton 3.6 (the GPU machine's), async_load from 3.7 on.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-
-LOG2E = 1.4426950408889634   # log2(e): exp(x) == exp2(x * LOG2E)
-LN2 = 0.6931471805599453     # ln(2): a base-2 lse times LN2 is the natural-log lse
 
 # (BLOCK_M, BLOCK_N, NUM_STAGES) per head dim: BLOCK_M // 16 warps; shared memory for bf16 at d = 128:
 # Q 32 KiB + 2 stages x (K + V) 2 x 16 KiB = 96 KiB.
@@ -124,7 +135,7 @@ def _attn_fwd(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
     row_ok = offs_m < N
     o_ptrs = O + (off_bh * N + offs_m)[:, None] * HEAD_DIM + offs_d[None, :]
     gl.store(o_ptrs, acc.to(dtype), mask=row_ok[:, None])
-    lse = gl.convert_layout((m_i + gl.log2(l_i)) * 0.6931471805599453, row_o)
+    lse = gl.convert_layout((m_i + gl.log2(l_i)) * LN2, row_o)
     gl.store(LSE + off_bh * N + offs_m, lse, mask=row_ok)
 
 
@@ -220,8 +231,148 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     row_ok = offs_m < N
     gl.store(O + (off_bh * N + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], acc.to(dtype), mask=row_ok[:, None])
-    lse = gl.convert_layout((m_i + gl.log2(l_i)) * 0.6931471805599453, row_o)
+    lse = gl.convert_layout((m_i + gl.log2(l_i)) * LN2, row_o)
     gl.store(LSE + off_bh * N + offs_m, lse, mask=row_ok)
+
+
+# ------------------------------------------------------------------ FA3's ping-pong and intra-warpgroup overlap
+# Two consumer warpgroups (4 warps each), each owning 64 rows of the CTA's 128-row query tile, and the producer warp
+# feeding both: every stage is read by both, so empty[s] expects two arrivals. Inside each warpgroup the loop is FA3's
+# Algorithm 2: issue S_j = Q K_j^T and P_{j-1} V_{j-1} together, asynchronously; wait for S_j alone; the softmax of
+# tile j runs while the tensor cores still do P_{j-1} V_{j-1}. With PINGPONG the two warpgroups also take turns to
+# issue their GEMMs (mbarriers turn[0], turn[1]: FA3 uses named barriers), so one's softmax runs under the other's
+# GEMMs. (BLOCK_M, BLOCK_N, NUM_STAGES) per head dim: BLOCK_M rows per warpgroup; shared memory for bf16 at d = 128:
+# Q 2 x 16 KiB + 3 stages x (K + V) 2 x 16 KiB = 128 KiB.
+PP_BLOCKS = {64: (64, 128, 3), 128: (64, 64, 3)}
+
+
+@gluon.jit
+def _pp_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """One warp that only loads: both warpgroups' Q halves once, then tile j into stage j % NUM_STAGES once both
+    consumers released it."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row, 0], q_bar, q_smem.index(0))
+    _tma_load(q_desc, [q_row + BLOCK_M, 0], q_bar, q_smem.index(1))
+    for j in range(n_tiles):
+        s = j % NUM_STAGES
+        mbarrier.wait(empty.index(s), ((j // NUM_STAGES) & 1) ^ 1)    # lap r waits parity (r+1)%2: lap 0 passes
+        mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [kv_row + j * BLOCK_N, 0], full.index(s), k_smem.index(s))
+        _tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _pp_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, n_tiles, qk_scale,
+                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): rows m_row + WG * BLOCK_M of this head, every KV tile, its own epilogue."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_tile = q_smem.index(WG)                                    # [BLOCK_M, HEAD_DIM], this warpgroup's rows
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)    # running numerator
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
+    if PINGPONG:
+        if WG == 1:
+            mbarrier.arrive(turn.index(0), count=1)              # warpgroup 0 takes the first turn
+    mbarrier.wait(q_bar, 0)
+
+    # tile 0: S_0 alone (no P V yet), then its softmax
+    mbarrier.wait(full.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), 0)                         # turn k waits parity k % 2
+    qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N]
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)             # the other warpgroup's turn
+    qk = gl.where((offs_n < Nk)[None, :], qk * qk_scale, float("-inf"))
+    m_i = gl.max(qk, 1)                                          # [BLOCK_M] running max (base 2), finite
+    p = gl.exp2(qk - m_i[:, None])                               # [BLOCK_M, BLOCK_N]
+    l_i = gl.sum(p, 1)                                           # [BLOCK_M] running sum of exp2
+    p_op = gl.convert_layout(p.to(dtype), p_layout)              # P_0 as wgmma's A operand
+
+    for j in range(1, n_tiles):
+        s = j % NUM_STAGES                                       # stage of tile j
+        sp = (j - 1) % NUM_STAGES                                # stage of tile j - 1 (its V is still needed)
+        mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # lap r waits parity r%2
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), j & 1)
+        qk = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)   # P_{j-1} V_{j-1}, behind S_j
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+        qk = warpgroup_mma_wait(1, deps=(qk,))                   # S_j done; P_{j-1} V_{j-1} may still run
+        keep = (j * BLOCK_N + offs_n) < Nk                       # keys past Nk: the next head's, or TMA's zeros
+        qk = gl.where(keep[None, :], qk * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))                   # the softmax of tile j, under the P V GEMM
+        p = gl.exp2(qk - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)                             # [BLOCK_M]
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))      # P_{j-1} V_{j-1} done: acc in base m_{j-1}
+        mbarrier.arrive(empty.index(sp), count=1)                # both GEMMs that read stage sp are done
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]     # now in base m_j
+        m_i = m_new
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    last = (n_tiles - 1) % NUM_STAGES
+    acc = warpgroup_mma(p_op, v_smem.index(last), acc)           # P_{T-1} V_{T-1}, synchronous
+    mbarrier.arrive(empty.index(last), count=1)
+
+    # epilogue: O = acc / l, lse = (m + log2 l) ln 2; rows past N are not stored (they belong to the next head)
+    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+    offs_m = m_row + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)  # [BLOCK_M] rows of this head
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    row_ok = offs_m < N
+    gl.store(O + (off_bh * N + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], acc.to(dtype), mask=row_ok[:, None])
+    lse = gl.convert_layout((m_i + gl.log2(l_i)) * LN2, row_o)
+    gl.store(LSE + off_bh * N + offs_m, lse, mask=row_ok)
+
+
+@gluon.jit
+def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    m_row = gl.program_id(0) * (2 * BLOCK_M)                     # first row of this CTA's 2 x BLOCK_M query rows
+    off_bh = gl.program_id(1)
+    q_row = off_bh * N + m_row                                   # in q viewed [B*H*N, d]
+    kv_row = off_bh * Nk
+    n_tiles = gl.cdiv(Nk, BLOCK_N)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(full.index(i), count=1)                    # completed by the TMA's bytes
+        mbarrier.init(empty.index(i), count=2)                   # completed when both warpgroups released it
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)                    # completed by the other warpgroup's hand-over
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, n_tiles,
+                        qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG)),
+        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, n_tiles,
+                        qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG)),
+        (_pp_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
+                        BLOCK_M, BLOCK_N, NUM_STAGES)),
+    ], [4, 1], [240, 24])
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(full.index(i))
+        mbarrier.invalidate(empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn.index(i))
 
 
 def _gl_dtype(torch_dtype):
@@ -229,19 +380,89 @@ def _gl_dtype(torch_dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[torch_dtype]
 
 
-def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False):
-    """(O, lse) of non-causal attention: q ``[B, H, N, d]``, k, v ``[B, H, Nk, d]`` on an sm_90 GPU, bf16 or fp16,
-    d = 64 or 128. O has q's dtype, lse is float32 in natural log. ``warp_specialize``: FA3's split, a producer warp
-    that only loads and the compute warps, handing stages over through full/empty barriers (not yet run natively)."""
+# variant -> what it is (the kernel and its launch: _launch_spec)
+VARIANTS = {
+    "one": "one partition: the same warps load and compute (_attn_fwd)",
+    "ws": "a producer warp + one consumer partition (_attn_fwd_ws)",
+    "overlap": "a producer warp + two consumer warpgroups, intra-warpgroup overlap (_attn_fwd_pp, PINGPONG=False)",
+    "pp": "a producer warp + two consumer warpgroups in ping-pong, intra-warpgroup overlap (_attn_fwd_pp)",
+}
+
+
+def _launch_spec(variant, d):
+    """(kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra constexprs, query rows per CTA, num_warps) of a variant."""
+    if variant in ("overlap", "pp"):
+        bm, bn, st = PP_BLOCKS[d]
+        return _attn_fwd_pp, (bm, bn, st), {"PINGPONG": variant == "pp"}, 2 * bm, 4   # + 4 + 1 worker warps
+    bm, bn, st = BLOCKS[d]
+    return (_attn_fwd_ws if variant == "ws" else _attn_fwd), (bm, bn, st), {}, bm, bm // 16
+
+
+def _variant(variant, warp_specialize):
+    if variant is None:
+        return "ws" if warp_specialize else "one"
+    if variant not in VARIANTS:
+        raise ValueError(f"gluon_forward: variant must be one of {', '.join(VARIANTS)}; got {variant!r}")
+    if warp_specialize and variant == "one":
+        raise ValueError("gluon_forward: warp_specialize=True contradicts variant='one'")
+    return variant
+
+
+def _check_inputs(q, k, v, sm_scale):
+    """What gluon_forward needs, checked on the host before any GPU work: three tensors, q [B, H, N, d], k and v
+    [B, H, Nk, d] (no GQA here), one dtype, bf16 or fp16, d = 64 or 128, N and Nk >= 1, on one sm_90 GPU."""
     import torch
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"gluon_forward: {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"gluon_forward: {name} must be [B, H, N, d] (4 dimensions), got shape {tuple(x.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"gluon_forward: {name} has dtype {str(x.dtype).replace('torch.', '')}; the Gluon "
+                            "kernels take bfloat16 or float16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"gluon_forward: q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, H, N, d = q.shape
+    if k.shape[:2] != (B, H) or k.shape[3] != d:
+        raise ValueError(f"gluon_forward: k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}] (no GQA in this kernel), "
+                         f"got {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"gluon_forward: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if d not in BLOCKS:
+        raise ValueError(f"gluon_forward: head dimension d must be one of {', '.join(map(str, sorted(BLOCKS)))}; "
+                         f"got {d}")
+    if N == 0 or k.shape[2] == 0 or B * H == 0:
+        raise ValueError(f"gluon_forward: needs at least one query and one key per head; q is {tuple(q.shape)}, "
+                         f"k is {tuple(k.shape)}")
+    if sm_scale is not None and not isinstance(sm_scale, (int, float)):
+        raise TypeError(f"gluon_forward: sm_scale must be a Python number or None, got {type(sm_scale).__name__}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"gluon_forward: q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if q.device.type != "cuda":
+        raise ValueError(f"gluon_forward needs an sm_90 GPU (H100, H200): the tensors are on {q.device}, and Gluon "
+                         "kernels have no interpreter")
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        raise ValueError(f"gluon_forward needs an sm_90 GPU (H100, H200); {torch.cuda.get_device_name(q.device)} "
+                         f"is sm_{cap[0]}{cap[1]}")
+
+
+def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None):
+    """(O, lse) of non-causal attention: q ``[B, H, N, d]``, k, v ``[B, H, Nk, d]`` on an sm_90 GPU, bf16 or fp16,
+    d = 64 or 128. O has q's dtype, lse is float32 in natural log. ``variant`` (``VARIANTS``): ``"one"`` (default),
+    ``"ws"`` (FA3's split: a producer warp that only loads and the compute warps, handing stages over through
+    full/empty barriers; ``warp_specialize=True`` says the same), ``"overlap"`` (a producer warp and two consumer
+    warpgroups, each issuing the next QK^T before this tile's softmax) and ``"pp"`` (those warpgroups also take turns
+    on the tensor cores: FA3's ping-pong). ``"overlap"`` and ``"pp"`` compile for sm_90 but have not run natively yet.
+    Raises TypeError or ValueError, before any GPU work, for inputs it cannot take."""
+    import torch
+    variant = _variant(variant, warp_specialize)
+    _check_inputs(q, k, v, sm_scale)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, H, N, d = q.shape
     Nk = k.shape[2]
-    assert k.shape == v.shape == (B, H, Nk, d), "k and v must be [B, H, Nk, d] with q's B, H, d"
-    assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float16), "bf16 or fp16, all alike"
-    assert d in BLOCKS, f"d must be one of {sorted(BLOCKS)}"
-    assert q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0), "needs an sm_90 GPU (H100, H200)"
-    BLOCK_M, BLOCK_N, NUM_STAGES = BLOCKS[d]
+    kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, rows_per_cta, num_warps = _launch_spec(variant, d)
     q2 = q.contiguous().view(B * H * N, d)                       # [B*H*N, d]
     k2 = k.contiguous().view(B * H * Nk, d)                      # [B*H*Nk, d]
     v2 = v.contiguous().view(B * H * Nk, d)
@@ -253,43 +474,45 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False):
     v_desc = TensorDescriptor.from_tensor(v2, [BLOCK_N, d], kv_layout)
     o = torch.empty_like(q)                                      # [B, H, N, d]
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
-    qk_scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * LOG2E
-    grid = (triton.cdiv(N, BLOCK_M), B * H)
-    kernel = _attn_fwd_ws if warp_specialize else _attn_fwd
+    qk_scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * LOG2E.value
+    grid = (triton.cdiv(N, rows_per_cta), B * H)
     kernel[grid](q_desc, k_desc, v_desc, o, lse, N, Nk, qk_scale,
-                    HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
-                    num_warps=BLOCK_M // 16)
+                 HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, **extra,
+                 num_warps=num_warps)
     return o, lse
 
 
-def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False):
-    """Compile the kernel for sm_90 with Triton's own compiler, no GPU needed; returns the PTX."""
+def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None):
+    """Compile one variant's kernel for sm_90 with Triton's own compiler, no GPU needed; returns the PTX."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    BLOCK_M, BLOCK_N, NUM_STAGES = BLOCKS[d]
+    variant = _variant(variant, warp_specialize)
+    kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, _, num_warps = _launch_spec(variant, d)
     el = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, d], el)
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], el)
-    num_warps = BLOCK_M // 16
     sig = {"q_desc": f"tensordesc<{dtype}[{BLOCK_M}, {d}],{q_layout!r}>",
            "k_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
            "v_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
            "O": f"*{dtype}", "LSE": "*fp32", "N": "i32", "Nk": "i32", "qk_scale": "fp32",
            "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr",
-           "num_warps": "constexpr"}
-    const = {"HEAD_DIM": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "num_warps": num_warps}
-    src = GluonASTSource(_attn_fwd_ws if warp_specialize else _attn_fwd, sig, const)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    return kernel.asm["ptx"]
+           **{name: "constexpr" for name in extra}, "num_warps": "constexpr"}
+    const = {"HEAD_DIM": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, **extra,
+             "num_warps": num_warps}
+    src = GluonASTSource(kernel, sig, const)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return compiled.asm["ptx"]
 
 
-def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False):
-    """On an sm_90 GPU: the kernel against float64 attention on harsh shapes (ragged N and Nk, N = 1, Nk = 1,
-    large logits), bf16 and fp16, d = 64 and 128. The bound per case is 2 x SDPA's own error in that dtype plus the
-    output's rounding. A case that raises is recorded as failed (its error in ``rows``), and the others still run.
-    Returns {"cases", "worst" (max |O - O64|), "worst_lse", "ok", "rows"}."""
+def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False, variant=None, log=None):
+    """On an sm_90 GPU: one variant of the kernel (``VARIANTS``) against float64 attention on harsh shapes (ragged N
+    and Nk, N = 1, Nk = 1, large logits), bf16 and fp16, d = 64 and 128. The bound per case is 2 x SDPA's own error
+    in that dtype plus the output's rounding. A case that raises is recorded as failed (its error in ``rows``), and
+    the others still run; ``log(row)`` is called after each case. Returns {"cases", "worst" (max |O - O64|),
+    "worst_lse", "ok", "rows"}."""
     import torch
     import torch.nn.functional as F
+    variant = _variant(variant, warp_specialize)
     torch.manual_seed(seed)
     shapes = shapes or [(2, 3, 1000, 1000), (1, 2, 1, 77), (1, 2, 130, 1), (2, 2, 257, 1029), (1, 4, 2048, 2048)]
     rows, worst, worst_lse, ok = [], 0.0, 0.0, True
@@ -301,11 +524,13 @@ def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False):
                 q = (torch.randn(B, H, N, d, device="cuda") * big).to(dt)
                 k, v = (torch.randn(B, H, Nk, d, device="cuda").to(dt) for _ in range(2))
                 try:
-                    o, lse = gluon_forward(q, k, v, warp_specialize=warp_specialize)
+                    o, lse = gluon_forward(q, k, v, variant=variant)
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 - one report for the whole run
                     ok = False
                     rows.append(dict(row, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    if log:
+                        log(rows[-1])
                     continue
                 q64, k64, v64 = q.double(), k.double(), v.double()
                 s = (q64 @ k64.transpose(-1, -2)) / math.sqrt(d)         # [B, H, N, Nk]
@@ -320,18 +545,23 @@ def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False):
                 ok &= good
                 worst, worst_lse = max(worst, err), max(worst_lse, err_lse)
                 rows.append(dict(row, err=err, bound=bound, sdpa_err=sdpa, lse_err=err_lse, ok=good))
+                if log:
+                    log(rows[-1])
     return {"cases": len(rows), "worst": worst, "worst_lse": worst_lse, "ok": ok, "rows": rows}
 
 
-if __name__ == "__main__":     # on an sm_90 GPU: python -m helpers.kernels.gluon_forward [--warp-specialize]
-    import sys
+if __name__ == "__main__":     # on an sm_90 GPU: python -m helpers.kernels.gluon_forward [--variant one|ws|overlap|pp]
+    import argparse
 
     import torch
-    ws = "--warp-specialize" in sys.argv[1:]
+    ap = argparse.ArgumentParser(description="The Gluon forward against float64 on harsh shapes (an sm_90 GPU).")
+    ap.add_argument("--variant", choices=list(VARIANTS), default=None)
+    ap.add_argument("--warp-specialize", action="store_true", help="the same as --variant ws")
+    args = ap.parse_args()
+    variant = _variant(args.variant, args.warp_specialize)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{'warp-specialised (producer warp + consumer warps)' if ws else 'one partition'}")
-    result = gluon_forward_selftest(warp_specialize=ws)
-    for r in result["rows"]:
-        print(r)
+          f"variant {variant}: {VARIANTS[variant]}", flush=True)
+    result = gluon_forward_selftest(variant=variant, log=lambda r: print(r, flush=True))
     print(f"{result['cases']} cases, worst |O - float64| {result['worst']:.2e}, worst |lse - float64| "
           f"{result['worst_lse']:.2e}: {'ALL OK' if result['ok'] else 'FAILURES ABOVE'}")
+    raise SystemExit(0 if result["ok"] else 1)
