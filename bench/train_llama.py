@@ -6,7 +6,7 @@
 The model: RMSNorm, rotary position embeddings (RoPE, positions restart at every document), grouped-query
 attention (4 query heads per KV head, head dim 128), a SwiGLU MLP, untied output head; 8 layers at context 4096
 on a GPU. Data: the bytes of the course's own text (bench/common.py's ``corpus_bytes``) cut into documents of
-mixed length (lognormal, median 256 bytes; some of length 1), packed end to end into rows of T tokens, a row
+mixed length (lognormal: median 256 bytes on a GPU, 8 in the tiny run, which has documents of length 1), packed end to end into rows of T tokens, a row
 never splitting a document across rows (the last one is cut). Each token predicts the next one of its own
 document; a document's last token predicts nothing.
 
