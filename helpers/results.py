@@ -21,7 +21,7 @@ from pathlib import Path
 __all__ = ["RESULTS", "TRAINING", "RING", "load_json", "load_results", "load_training", "load_gpu_results",
            "results_label", "section_rows", "plot_tflops", "geomean", "geomean_ratio", "fmt", "decode_rows", "prefill_table",
            "decode_table", "backward_table", "gpu_results_table", "NOT_MEASURED", "serving_results",
-           "serving_tables", "GLUON", "GLUON_VARIANTS", "load_gluon", "gluon_label", "gluon_ratios",
+           "serving_tables", "GLUON", "GLUON_FA3", "GLUON_VARIANTS", "load_gluon", "gluon_label", "gluon_ratios",
            "gluon_table", "plot_gluon"]
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
@@ -29,6 +29,7 @@ RESULTS = RESULTS_DIR / "h200.json"
 TRAINING = RESULTS_DIR / "train_gpt.json"
 RING = RESULTS_DIR / "ring_h200x2.json"
 GLUON = RESULTS_DIR / "gluon_h200.json"
+GLUON_FA3 = RESULTS_DIR / "gluon_h200_variants.json"  # FA3's overlap and ping-pong variants, N = 16384
 
 
 def load_json(path):

@@ -501,3 +501,21 @@ def test_interview_answers_carry_what_a_strong_answer_has(name, must):
     interview = _interview(name)
     for fact in must:
         assert fact in interview, (name, fact)
+
+
+def test_lesson11_fa3_variant_figures_match_their_record():
+    """Lesson 11's sentence on FA3's ping-pong kernel carries the ratios of bench/results/gluon_h200_variants.json."""
+    from helpers import results
+    rec = results.load_gluon(results.GLUON_FA3)
+    rows = rec["rows"]
+    assert rows and all(r["gluon_pp_pass"] and r["gluon_overlap_pass"] for r in rows)
+
+    def span(a, b):
+        xs = [r[f"{a}_tflops"] / r[f"{b}_tflops"] for r in rows]
+        return f"{min(xs):.2f}–{max(xs):.2f}×"
+    text = _flat(_markdown("11_hopper_fa3"))
+    assert f"the ping-pong kernel reaches {span('gluon_pp', 'triton')} the course's Triton forward" in text
+    assert f"and {span('gluon_pp', 'sdpa_cudnn')} cuDNN" in text
+    every = results.load_gluon()["rows"] + rows
+    fastest = sum(r["sdpa_cudnn_tflops"] >= max(v for k, v in r.items() if k.endswith("_tflops")) for r in every)
+    assert f"fastest in {fastest} of the {len(every)} rows timed" in text
