@@ -259,7 +259,8 @@ def build_block_mask_triton(mask: MaskSpec, N: int, Nk: int, BLOCK_M: int, BLOCK
 @triton.jit
 def _tanh(x):
     # tanh from one exp2, exact at both saturations: 2 / (1 + e^(-2x)) - 1
-    return 2.0 / (1.0 + tl.math.exp2(-2.0 * LOG2E * x)) - 1.0
+    e = tl.math.exp2(x * (-2.0 * 1.4426950408889634))  # e^(-2x)
+    return 2.0 / (1.0 + e) - 1.0
 
 
 @triton.jit
