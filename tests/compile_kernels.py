@@ -250,6 +250,39 @@ def varlen_jobs(cc, dtypes):
     return jobs
 
 
+def block_sparse_jobs(cc, dtypes):
+    """Lesson 12's block-sparse forward: every configuration its launcher keeps on sm_cc (fp16, d = 128, the
+    sliding window: the shared-memory proof), on VARIANT_TARGETS the other masks and score mods and d = 64, on
+    BF16_TARGETS bf16. Its configurations are pruned with the dense forward's estimate (block_sparse.SMEM_KIND)."""
+    import helpers.kernels.block_sparse as kb
+    from helpers.kernels import common as kc
+    some = (lambda cfgs: cfgs) if cc in ALL_CONFIG_TARGETS else (lambda cfgs: cfgs[:1])
+    fits = lambda d: kb.launch_configs_block_sparse(d, _torch_dtype("fp16"), (cc // 10, cc % 10), TARGETS[cc]["smem"])  # noqa: E731
+    variants = [(1, 0), (2, 1), (3, 2), (0, 0)]  # (MASK, SCORE_MOD): window, document + softcap, prefix-LM + ALiBi, none
+    plan = [("fp16", 128, cfg, variants[0]) for cfg in some(fits(128))]
+    first = plan[0][2]
+    if cc in VARIANT_TARGETS:
+        plan += [("fp16", 128, first, v) for v in variants[1:]]
+        plan += [("fp16", 64, fits(64)[0], variants[0])]
+    if cc in BF16_TARGETS:
+        plan += [("bf16", 128, first, variants[1])]
+    jobs = []
+    for dtype, d, cfg, (mask, mod) in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, mask=mask, mod=mod):
+            fn = kb._attn_fwd_block_sparse
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", KV_NUM="i32", KV_IDX="i32", FULL_NUM="i32",
+                        FULL_IDX="i32", DOC="i32", SLOPES="fp32")
+            sig, const, attrs = signature(fn, ptrs, ("sm_scale", "qk_scale", "cap"), dict(
+                HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MASK=mask, SCORE_MOD=mod),
+                ints16=("N", "Nk"))
+            return fn, sig, const, attrs, cfg
+        elt = 4 if dtype == "fp32" else 2
+        meta = dict(d=d, estimate=kc.smem_estimate(kb.SMEM_KIND, cfg, d, elt, (cc // 10, cc % 10)))
+        jobs.append(Job("block-sparse forward", f"{dtype} d={d} MASK={mask} SCORE_MOD={mod} {_cfg_label(cfg)}",
+                        build, meta))
+    return jobs
+
+
 # ------------------------------------------------------------------ the teaching kernels and the worked notebooks
 def notebook_ns(name):
     from tests.conftest import notebook_namespace
@@ -365,6 +398,7 @@ KERNELS = {
     "backward dQ": bwd_jobs,
     "backward dQ cast": bwd_jobs,
     "varlen forward": varlen_jobs,
+    "block-sparse forward": block_sparse_jobs,
     "notebook 07 attn_fwd": lesson07_jobs,
     "notebook 07 decode_split": lesson07_jobs,
     "notebook 07 decode_combine": lesson07_jobs,
