@@ -215,3 +215,27 @@ def test_bad_kernel_arguments():
         bs.flash_attn_block_sparse_triton(q, k, v, docs)
     with pytest.raises(ValueError, match="multiple of Hkv"):
         bs.flash_attn_block_sparse_triton(q, k[:, :1].repeat(1, 3, 1, 1).contiguous(), v[:, :1].repeat(1, 3, 1, 1).contiguous(), bm)
+
+
+# ------------------------------------------------------------------ lesson 12's "On a GPU" section
+def test_lesson12_gpu_section_checks_every_mask(capsys):
+    """helpers.lesson12.run_on_gpu, the notebook's GPU cell: natively on a GPU; here the same under the interpreter."""
+    rows = L.run_on_gpu(N=40, d=16, H=2, device=DEVICE, dtype=DTYPES[0])
+    out = capsys.readouterr().out
+    assert len(rows) == 6 and out.count("✅") == 6 and "❌" not in out, out
+    for name, spec, mod, mask_mod, score_mod in L.gpu_cases(200, "cpu"):  # one mask, written twice alike
+        bm = bs.build_block_mask_triton(spec, 200, 200, 32, 32)
+        assert torch.equal(bm.classes(), L.tile_classes(mask_mod, 200, 200, 32, 32)), name
+
+
+@pytest.mark.skipif(ON_GPU, reason="the message for a machine without a CUDA GPU")
+def test_lesson12_gpu_section_without_a_gpu_says_so(capsys, tmp_path):
+    assert L.run_on_gpu() == []
+    out = capsys.readouterr().out
+    assert out.startswith("No CUDA GPU here") and "No figures are recorded yet" in out
+    rec = tmp_path / "masks_h200.json"
+    rec.write_text('{"meta": {"gpu": "NVIDIA H200", "dtype": "bfloat16", "d": 128}, "rows": [{"mask": "causal", '
+                   '"N": 4096, "course_ms": 1.0, "flex_ms": 1.5, "sdpa_dense_ms": null}]}')
+    L.show_masks_results(rec)
+    out = capsys.readouterr().out
+    assert "NVIDIA H200" in out and "1.50" in out
