@@ -16,7 +16,9 @@ with the online softmax of the dense forward (``m_i``, ``l_i``, ``acc``, base 2)
 max: softcap ``cap * tanh(s / cap)`` (Gemma 2) and ALiBi ``s - slope_h * |i + Nk - N - j|``. k, v may have fewer
 heads than q (grouped-query attention). A row that sees no key gets O = 0 and lse = -inf.
 
-Forward only: there is no backward here yet (the transposed index is built for one).
+The backward (``flash_attn_block_sparse``, an autograd Function) recomputes P from lse tile by tile: a dK/dV
+kernel per KV block walks the transposed index (its full Q blocks, then its partial ones), a dQ kernel per Q block
+the forward's; softcap's gradient is ``dS * (1 - tanh^2)``, ALiBi passes dS through.
 
 References: Dong et al., "Flex Attention" (2024) and ``torch.nn.attention.flex_attention``; Dao, "FlashAttention-2"
 (2023); the fused-attention tutorial of Triton. Written for this course.
@@ -36,7 +38,8 @@ from .common import (LN2, LOG2E, SHAPES, _check_dense_kv, _check_qkv, _device_li
 
 __all__ = ["MaskSpec", "full_mask", "causal_mask", "sliding_window_mask", "document_mask", "prefix_lm_mask",
            "SoftCap", "ALiBi", "BlockSparseMask", "build_block_mask_triton", "block_sparse_tiles",
-           "flash_attn_block_sparse_triton"]
+           "flash_attn_block_sparse_triton", "flash_attn_block_sparse",
+           "launch_configs_block_sparse", "bwd_configs"]
 
 # the mask variants the kernel knows (its MASK constexpr)
 _NONE, _WINDOW, _DOCUMENT, _PREFIX = 0, 1, 2, 3
@@ -399,6 +402,161 @@ def _attn_fwd_block_sparse(
 
 
 # ----------------------------------------------------------------------------
+# Backward: dK/dV over the transposed index, dQ over the forward's
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_tile(q, k, v, do, lse2, delta, offs_m, cols, sm_scale, qk_scale, Nk, off, lo_w, hi_w, prefix, doc_q,
+              doc_base, cap, slope,
+              PARTIAL: tl.constexpr, MASK: tl.constexpr, SCORE_MOD: tl.constexpr):
+    """One tile's P [BLOCK_M, BLOCK_N] (recomputed from lse) and dS [BLOCK_M, BLOCK_N], the gradient with
+    respect to the scaled score s = q k^T * sm_scale (through the score modification)."""
+    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+    dmod = 1.0
+    if SCORE_MOD == 0:
+        s2 = qk * qk_scale  # base 2
+    else:
+        s = qk * sm_scale
+        if SCORE_MOD == 1:
+            t = _tanh(s / cap)
+            s = cap * t
+            dmod = 1.0 - t * t  # d(cap tanh(s / cap)) / ds
+        else:
+            dist = offs_m[:, None] + off - cols[None, :]
+            s = s - slope * tl.abs(dist).to(tl.float32)
+        s2 = s * LOG2E
+    p = tl.math.exp2(s2 - lse2[:, None])  # [BLOCK_M, BLOCK_N]; lse2 = +inf on rows that see nothing: p = 0
+    if PARTIAL:
+        keep = cols[None, :] < Nk
+        if MASK == 1 or MASK == 2:
+            keep = keep & (cols[None, :] >= offs_m[:, None] + off - lo_w) & (cols[None, :] <= offs_m[:, None] + off + hi_w)
+        if MASK == 2:
+            doc_k = tl.load(doc_base + cols, mask=cols < Nk, other=-1)
+            keep = keep & (doc_q[:, None] == doc_k[None, :])
+        if MASK == 3:
+            keep = keep & ((cols[None, :] <= offs_m[:, None]) | (cols[None, :] < prefix))
+        p = tl.where(keep, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
+    ds = p * (dp - delta[:, None]) * dmod  # [BLOCK_M, BLOCK_N]
+    return p, ds
+
+
+@triton.jit
+def _bwd_dkdv_block_sparse(
+    Q, K, V, DO, LSE2, DELTA, DK, DV,
+    Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, DOC, SLOPES,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_mb, stride_doc_b, stride_sb,
+    H, Hkv, N, Nk, Tq, lo_w, hi_w, prefix, sm_scale, qk_scale, cap,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr, SCORE_MOD: tl.constexpr,
+):
+    # grid = (Tk, B * H): one program per (KV block, query head); dK, dV per query head [B, H, Nk, d] (fp32),
+    # summed over a GQA group by the launcher. q, dO are [B, H, N, d] like O; k, v [B, Hkv, Nk, d].
+    start_n = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_hkv = off_h // (H // Hkv)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = cols < Nk
+    kv_off = off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    k = tl.load(K + kv_off + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)  # [BLOCK_N, D]
+    v = tl.load(V + kv_off + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    q_off = off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    row = off_b * stride_mb + start_n
+    doc_base = DOC + off_b.to(tl.int64) * stride_doc_b
+    slope = 0.0
+    if SCORE_MOD == 2:
+        slope = tl.load(SLOPES + off_b * stride_sb + off_h)
+    off = Nk - N
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    for which in tl.static_range(2):  # 0: the full Q blocks of this KV block, 1: the partial ones
+        if which == 0:
+            num = tl.load(FULL_Q_NUM + row)
+            idx = FULL_Q_IDX + row.to(tl.int64) * Tq
+        else:
+            num = tl.load(Q_NUM + row)
+            idx = Q_IDX + row.to(tl.int64) * Tq
+        for t in range(0, num):
+            offs_m = tl.load(idx + t) * BLOCK_M + offs_m0  # [BLOCK_M]
+            row_ok = offs_m < N
+            q = tl.load(Q + q_off + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + q_off + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            lse2 = tl.load(LSE2 + off_bh.to(tl.int64) * N + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(DELTA + off_bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
+            doc_q = offs_m
+            if MASK == 2:
+                doc_q = tl.load(doc_base + offs_m, mask=row_ok, other=-2)
+            p, ds = _bwd_tile(q, k, v, do, lse2, delta, offs_m, cols, sm_scale, qk_scale, Nk, off, lo_w, hi_w,
+                              prefix, doc_q, doc_base, cap, slope, which == 1, MASK, SCORE_MOD)
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)  # [BLOCK_N, D]
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk)  # [BLOCK_N, D]
+    out = off_bh.to(tl.int64) * Nk * HEAD_DIM + cols[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + out, dk * sm_scale, mask=col_ok[:, None])
+    tl.store(DV + out, dv, mask=col_ok[:, None])
+
+
+@triton.jit
+def _bwd_dq_block_sparse(
+    Q, K, V, DO, LSE2, DELTA, DQ,
+    KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, DOC, SLOPES,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_mb, stride_doc_b, stride_sb,
+    H, Hkv, N, Nk, Tk, lo_w, hi_w, prefix, sm_scale, qk_scale, cap,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr, SCORE_MOD: tl.constexpr,
+):
+    # grid = (Tq, B * H): one program per (Q block, head) walks the forward's lists
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_hkv = off_h // (H // Hkv)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N
+    q_off = off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    kv_off = off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    q = tl.load(Q + q_off + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + q_off + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(LSE2 + off_bh.to(tl.int64) * N + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + off_bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
+    doc_base = DOC + off_b.to(tl.int64) * stride_doc_b
+    doc_q = offs_m
+    if MASK == 2:
+        doc_q = tl.load(doc_base + offs_m, mask=row_ok, other=-2)
+    slope = 0.0
+    if SCORE_MOD == 2:
+        slope = tl.load(SLOPES + off_b * stride_sb + off_h)
+    off = Nk - N
+    row = off_b * stride_mb + start_m
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for which in tl.static_range(2):  # 0: full KV blocks, 1: partial ones
+        if which == 0:
+            num = tl.load(FULL_NUM + row)
+            idx = FULL_IDX + row.to(tl.int64) * Tk
+        else:
+            num = tl.load(KV_NUM + row)
+            idx = KV_IDX + row.to(tl.int64) * Tk
+        for t in range(0, num):
+            cols = tl.load(idx + t) * BLOCK_N + offs_n  # [BLOCK_N]
+            col_ok = cols < Nk
+            k = tl.load(K + kv_off + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            p, ds = _bwd_tile(q, k, v, do, lse2, delta, offs_m, cols, sm_scale, qk_scale, Nk, off, lo_w, hi_w,
+                              prefix, doc_q, doc_base, cap, slope, which == 1, MASK, SCORE_MOD)
+            dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, D]
+    tl.store(DQ + q_off + offs_m[:, None] * stride_qm + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------
 # Configurations and the wrapper
 # ----------------------------------------------------------------------------
 
@@ -443,6 +601,26 @@ def _pick_config(bm, bn, d, dtype, device):
                      f"GPU (sm_{cap[0]}{cap[1]}); build the block mask with block_sparse_tiles(d, dtype, device)")
 
 
+def bwd_configs(cfg, d, dtype, capability, smem):
+    """The backward's launch options for the forward's tile ``cfg``: num_stages 2, else 1, the first at which
+    both backward kernels fit (common.smem_estimate's "dkdv" and "dq"; no atomics), as a dict."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    for stages in (2, 1):
+        c = dict(cfg, num_stages=stages)
+        if max(smem_estimate("dkdv", c, d, elt, capability), smem_estimate("dq", c, d, elt, capability)) <= smem:
+            return c
+    raise ValueError(f"the block-sparse backward does not fit {cfg['BLOCK_M']} x {cfg['BLOCK_N']} tiles at head dim "
+                     f"{d} in this GPU's {smem // 1024} KB of shared memory (sm_{capability[0]}{capability[1]}): "
+                     "build the block mask with smaller tiles")
+
+
+def _bwd_config(cfg, d, dtype, device):
+    if interpreting() or device.type != "cuda":
+        return dict(cfg)
+    cap, smem = _device_limits(device)
+    return bwd_configs(cfg, d, dtype, cap, smem)
+
+
 def _check_block_mask(bm, B, N, Nk, device):
     if not isinstance(bm, BlockSparseMask):
         raise TypeError(f"block_mask must be a BlockSparseMask from build_block_mask_triton, got {type(bm).__name__}")
@@ -482,15 +660,8 @@ def _score_mod_args(score_mod, B, H, device):
                     "(arbitrary Python score_mods are FlexAttention's: this kernel has a fixed set)")
 
 
-def flash_attn_block_sparse_triton(q, k, v, block_mask, score_mod=None, sm_scale=None):
-    """Block-sparse attention forward: returns ``(O, lse)``.
-
-    q: [B, H, N, d]; k, v: [B, Hkv, Nk, d] (H a multiple of Hkv: grouped-query attention). ``block_mask``: a
-    ``BlockSparseMask`` from ``build_block_mask_triton(mask, N, Nk, BLOCK_M, BLOCK_N, device=q.device)``, its
-    tiles from ``block_sparse_tiles(d, dtype, device)`` (16 x 16 under the interpreter); its batch 1 (shared) or
-    B (a document mask per sequence). ``score_mod``: None, ``SoftCap(cap)`` or ``ALiBi(slopes)``, applied to the
-    scaled score before the mask. O: [B, H, N, d] in q's dtype; lse: [B, H, N] float32, natural log, -inf for a
-    row that sees no key (its O is 0). sm_scale defaults to 1/sqrt(d)."""
+def _prepare(q, k, v, block_mask, score_mod, sm_scale):
+    """Every check and every scalar the three kernels share, as a namespace-like dict."""
     _check_qkv(q, k, v, (4, 4, 4))
     B, H, N, d = q.shape
     Hkv, Nk = _check_dense_kv(q, k, v)
@@ -503,27 +674,97 @@ def flash_attn_block_sparse_triton(q, k, v, block_mask, score_mod=None, sm_scale
     mask = block_mask.mask
     kind = _KINDS[mask.kind]
     big = N + Nk + 1  # "unbounded": further than any key
-    lo_w = mask.left if mask.left >= 0 else big
-    hi_w = mask.right if mask.right >= 0 else big
     doc = block_mask.doc
     if kind == _DOCUMENT and doc.shape[0] not in (1, B):
         raise ValueError(f"the document mask has {doc.shape[0]} sequences; q's batch is {B}")
     cfg = _pick_config(block_mask.BLOCK_M, block_mask.BLOCK_N, d, q.dtype, q.device)
+    return dict(B=B, H=H, Hkv=Hkv, N=N, Nk=Nk, d=d, Bm=Bm, Tq=Tq, Tk=Tk, MASK=kind, SCORE_MOD=mod, cap=cap,
+                slopes=slopes if slopes is not None else torch.empty(1, device=q.device),
+                stride_sb=stride_sb, sm_scale=float(sm_scale), qk_scale=float(sm_scale) * LOG2E.value,
+                lo_w=mask.left if mask.left >= 0 else big, hi_w=mask.right if mask.right >= 0 else big,
+                prefix=mask.prefix, doc=doc if doc is not None else block_mask.kv_num_blocks,
+                stride_doc_b=N if doc is not None and doc.shape[0] > 1 else 0,
+                stride_mb=Tq if Bm > 1 else 0, stride_mb_t=Tk if Bm > 1 else 0, cfg=cfg)
 
+
+def _forward(q, k, v, block_mask, a):
     o = torch.empty_like(q)  # [B, H, N, d]
-    lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N]
-    dummy = block_mask.kv_num_blocks  # an int32 tensor for the pointers a variant does not read
-    grid = (Tq, B * H)
-    _attn_fwd_block_sparse[grid](
+    lse = torch.empty((a["B"], a["H"], a["N"]), device=q.device, dtype=torch.float32)  # [B, H, N]
+    bm = block_mask
+    _attn_fwd_block_sparse[(a["Tq"], a["B"] * a["H"])](
         q, k, v, o, lse,
-        block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-        doc if doc is not None else dummy, slopes if slopes is not None else lse,
+        bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, a["doc"], a["slopes"],
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        Tq if Bm > 1 else 0, (N if doc is not None and doc.shape[0] > 1 else 0), stride_sb,
-        H, Hkv, N, Nk, Tk, lo_w, hi_w, mask.prefix, float(sm_scale), float(sm_scale) * LOG2E.value, cap,
-        HEAD_DIM=d, MASK=kind, SCORE_MOD=mod, **cfg,
+        a["stride_mb"], a["stride_doc_b"], a["stride_sb"],
+        a["H"], a["Hkv"], a["N"], a["Nk"], a["Tk"], a["lo_w"], a["hi_w"], a["prefix"], a["sm_scale"], a["qk_scale"],
+        a["cap"], HEAD_DIM=a["d"], MASK=a["MASK"], SCORE_MOD=a["SCORE_MOD"], **a["cfg"],
     )
     return o, lse
+
+
+def flash_attn_block_sparse_triton(q, k, v, block_mask, score_mod=None, sm_scale=None):
+    """Block-sparse attention forward: returns ``(O, lse)``.
+
+    q: [B, H, N, d]; k, v: [B, Hkv, Nk, d] (H a multiple of Hkv: grouped-query attention). ``block_mask``: a
+    ``BlockSparseMask`` from ``build_block_mask_triton(mask, N, Nk, BLOCK_M, BLOCK_N, device=q.device)``, its
+    tiles from ``block_sparse_tiles(d, dtype, device)`` (16 x 16 under the interpreter); its batch 1 (shared) or
+    B (a document mask per sequence). ``score_mod``: None, ``SoftCap(cap)`` or ``ALiBi(slopes)``, applied to the
+    scaled score before the mask. O: [B, H, N, d] in q's dtype; lse: [B, H, N] float32, natural log, -inf for a
+    row that sees no key (its O is 0). sm_scale defaults to 1/sqrt(d). No gradient: ``flash_attn_block_sparse``
+    is the differentiable one."""
+    return _forward(q, k, v, block_mask, _prepare(q, k, v, block_mask, score_mod, sm_scale))
+
+
+def _backward(q, k, v, o, lse, do, block_mask, a):
+    """(dq, dk, dv): delta = rowsum(dO * O) in torch, then the dK/dV kernel per query head over the transposed
+    lists (summed over each GQA group here) and the dQ kernel over the forward's."""
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1)  # [B, H, N]
+    lse2 = torch.where(torch.isneginf(lse), float("inf"), lse * LOG2E.value)  # base 2; +inf: the row's P is 0
+    B, H, Hkv, N, Nk, d = a["B"], a["H"], a["Hkv"], a["N"], a["Nk"], a["d"]
+    dk = torch.empty(B, H, Nk, d, device=q.device, dtype=torch.float32)  # per query head
+    dv = torch.empty_like(dk)
+    dq = torch.empty_like(q)
+    bm, cfg = block_mask, _bwd_config(a["cfg"], d, q.dtype, q.device)
+    common = (a["doc"], a["slopes"], q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    _bwd_dkdv_block_sparse[(a["Tk"], B * H)](
+        q, k, v, do, lse2, delta, dk, dv, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices,
+        *common, a["stride_mb_t"], a["stride_doc_b"], a["stride_sb"],
+        H, Hkv, N, Nk, a["Tq"], a["lo_w"], a["hi_w"], a["prefix"], a["sm_scale"], a["qk_scale"], a["cap"],
+        HEAD_DIM=d, MASK=a["MASK"], SCORE_MOD=a["SCORE_MOD"], **cfg)
+    _bwd_dq_block_sparse[(a["Tq"], B * H)](
+        q, k, v, do, lse2, delta, dq, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+        *common, a["stride_mb"], a["stride_doc_b"], a["stride_sb"],
+        H, Hkv, N, Nk, a["Tk"], a["lo_w"], a["hi_w"], a["prefix"], a["sm_scale"], a["qk_scale"], a["cap"],
+        HEAD_DIM=d, MASK=a["MASK"], SCORE_MOD=a["SCORE_MOD"], **cfg)
+    g = H // Hkv
+    dk = dk.view(B, Hkv, g, Nk, d).sum(2).to(k.dtype)
+    dv = dv.view(B, Hkv, g, Nk, d).sum(2).to(v.dtype)
+    return dq, dk, dv
+
+
+class _BlockSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, block_mask, score_mod, sm_scale):
+        a = _prepare(q, k, v, block_mask, score_mod, sm_scale)
+        o, lse = _forward(q, k, v, block_mask, a)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.block_mask, ctx.a = block_mask, a
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.block_mask, ctx.a)
+        return dq, dk, dv, None, None, None
+
+
+def flash_attn_block_sparse(q, k, v, block_mask, score_mod=None, sm_scale=None):
+    """``flash_attn_block_sparse_triton`` with a backward (autograd): returns ``(O, lse)``; gradients flow to
+    q, k and v through O (lse is not differentiable). Softcap's gradient is dS * (1 - tanh^2); ALiBi's bias passes
+    dS through; the slopes get no gradient."""
+    return _BlockSparseAttention.apply(q, k, v, block_mask, score_mod, sm_scale)
