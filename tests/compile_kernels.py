@@ -280,6 +280,26 @@ def block_sparse_jobs(cc, dtypes):
         meta = dict(d=d, estimate=kc.smem_estimate(kb.SMEM_KIND, cfg, d, elt, (cc // 10, cc % 10)))
         jobs.append(Job("block-sparse forward", f"{dtype} d={d} MASK={mask} SCORE_MOD={mod} {_cfg_label(cfg)}",
                         build, meta))
+    if cc >= 80:  # the backward: at block_sparse_tiles(backward=True)'s tile, bwd_configs' options (none fits sm_75)
+        for dtype, d, (mask, mod) in [("fp16", 128, (2, 1)), ("fp16", 64, (1, 2))][:2 if cc in VARIANT_TARGETS else 1]:
+            bm_, bn_ = kb._tiles_for(d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"], True)
+            tile = next(c for c in kb.SHAPES["block_sparse"](d) if (c["BLOCK_M"], c["BLOCK_N"]) == (bm_, bn_))
+            cfg = kb.bwd_configs(tile, d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"])
+            for kind, fn_name in (("dkdv", "_bwd_dkdv_block_sparse"), ("dq", "_bwd_dq_block_sparse")):
+                def bwd(cfg=cfg, d=d, dtype=dtype, mask=mask, mod=mod, fn_name=fn_name, kind=kind):
+                    fn = getattr(kb, fn_name)
+                    lists = ("Q_NUM", "Q_IDX", "FULL_Q_NUM", "FULL_Q_IDX") if kind == "dkdv" else \
+                        ("KV_NUM", "KV_IDX", "FULL_NUM", "FULL_IDX")
+                    grads = dict(DK="fp32", DV="fp32") if kind == "dkdv" else dict(DQ=dtype)
+                    ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DOC="i32", SLOPES="fp32",
+                                **grads, **{n: "i32" for n in lists})
+                    sig, const, attrs = signature(fn, ptrs, ("sm_scale", "qk_scale", "cap"), dict(
+                        HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MASK=mask, SCORE_MOD=mod),
+                        ints16=("N", "Nk"))
+                    return fn, sig, const, attrs, cfg
+                meta = dict(d=d, estimate=kc.smem_estimate(kind, cfg, d, 2, (cc // 10, cc % 10)))
+                jobs.append(Job("block-sparse backward", f"{kind} {dtype} d={d} MASK={mask} SCORE_MOD={mod} "
+                                f"{_cfg_label(cfg)}", bwd, meta))
     return jobs
 
 
@@ -399,6 +419,7 @@ KERNELS = {
     "backward dQ cast": bwd_jobs,
     "varlen forward": varlen_jobs,
     "block-sparse forward": block_sparse_jobs,
+    "block-sparse backward": block_sparse_jobs,
     "notebook 07 attn_fwd": lesson07_jobs,
     "notebook 07 decode_split": lesson07_jobs,
     "notebook 07 decode_combine": lesson07_jobs,

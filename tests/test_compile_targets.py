@@ -223,3 +223,11 @@ def test_block_sparse_launcher_keeps_the_configs_that_fit(monkeypatch, cc):
         tiles = kb.block_sparse_tiles(d, torch.float16, "cuda")
         assert tiles == (kept[0]["BLOCK_M"], kept[0]["BLOCK_N"])
         assert kb._pick_config(*tiles, d, torch.float16, torch.device("cuda", 0)) == kept[0]
+        if cc < 80:  # the backward fits no tile on a T4: a clear error, not a compile failure
+            with pytest.raises(ValueError, match="no tile of the block-sparse backward fits .* 64 KB"):
+                kb.block_sparse_tiles(d, torch.float16, "cuda", backward=True)
+            continue
+        bm, bn = kb.block_sparse_tiles(d, torch.float16, "cuda", backward=True)
+        cfg = kb._pick_config(bm, bn, d, torch.float16, torch.device("cuda", 0))
+        bwd = kb.bwd_configs(cfg, d, torch.float16, _capability(cc), TARGETS[cc]["smem"])
+        assert max(kc.smem_estimate(k, bwd, d, 2, _capability(cc)) for k in ("dkdv", "dq")) <= TARGETS[cc]["smem"]

@@ -4,7 +4,7 @@ The index is compared with lesson 12's answer (``helpers.lesson12.build_block_ma
 FlexAttention's ``create_block_mask``) entry for entry, and its transposed lists with the transposed classes. Each
 forward is compared per head with lesson 12's float64 dense reference (``attention_mods_ref``: S = q k^T * scale,
 then the score modification, then the mask, then softmax), O and lse; a row that sees no key must give O = 0 and
-lse = -inf, never NaN. Lengths are not multiples of the tiles; windows wider than the sequence, a window of 0,
+lse = -inf, never NaN; the backward (autograd) against float64 autograd of the dense reference. Lengths are not multiples of the tiles; windows wider than the sequence, a window of 0,
 documents of length 1, N != Nk both ways, GQA. Under the interpreter: fp32 (fp16 once), 16 x 16 tiles, d = 16.
 """
 import math
@@ -239,3 +239,54 @@ def test_lesson12_gpu_section_without_a_gpu_says_so(capsys, tmp_path):
     L.show_masks_results(rec)
     out = capsys.readouterr().out
     assert "NVIDIA H200" in out and "1.50" in out
+
+
+# ------------------------------------------------------------------ the backward (autograd), against float64 autograd
+def _dense_ref_o(q, k, v, mask_mod, score_mod):
+    """float64 O [B, H, N, d], differentiable: rows that see nothing give O = 0 without a NaN in any gradient."""
+    B, H, N, d = q.shape
+    Nk, group = k.shape[2], H // k.shape[1]
+    i, j = torch.arange(N)[:, None], torch.arange(Nk)[None, :]
+    keep = torch.as_tensor(mask_mod(0, 0, i, j)).expand(N, Nk)  # [N, Nk]
+    empty = ~keep.any(1)
+    out = []
+    for h in range(H):
+        s = q[0, h] @ k[0, h // group].T / math.sqrt(d)  # [N, Nk]
+        if score_mod is not None:
+            s = score_mod(s, 0, h, i, j)
+        s = s.masked_fill(~keep, -math.inf).masked_fill(empty[:, None], 0.0)
+        out.append(torch.softmax(s, 1) * (~empty)[:, None].double() @ v[0, h // group])
+    return torch.stack(out)[None]
+
+
+BWD_CASES = [
+    ("causal, N > Nk (rows that see nothing)", bs.causal_mask(), L.causal(40, 19), None, None, 40, 19, 2, 2),
+    ("window (5, 0) + softcap 2, GQA", bs.sliding_window_mask((5, 0), True), L.sliding_window(37, 37, (5, 0), True),
+     bs.SoftCap(2.0), L.softcap(2.0), 37, 37, 4, 2),
+    ("documents + ALiBi", bs.document_mask(torch.tensor([0] * 9 + [1] + [2] * 20)),
+     L.document(torch.tensor([0] * 9 + [1] + [2] * 20)), bs.ALiBi(L.alibi_slopes(2).float()),
+     L.alibi(L.alibi_slopes(2), 30, 30), 30, 30, 2, 1),
+    ("prefix-LM", bs.prefix_lm_mask(11), L.prefix_lm(11), None, None, 33, 33, 2, 2),
+]
+
+
+@pytest.mark.parametrize("name,spec,mask_mod,mod,score_mod,N,Nk,H,Hkv", BWD_CASES, ids=[c[0] for c in BWD_CASES])
+def test_backward_matches_float64_autograd(name, spec, mask_mod, mod, score_mod, N, Nk, H, Hkv):
+    dtype = DTYPES[0]
+    q, k, v = (t.requires_grad_() for t in _inputs(1, H, Hkv, N, Nk, dtype, 3))
+    if isinstance(mod, bs.ALiBi):
+        mod = bs.ALiBi(mod.slopes.to(DEVICE))
+    if spec.kind == "document":
+        spec = bs.document_mask(spec.doc_ids.to(DEVICE))
+    bm = bs.build_block_mask_triton(spec, N, Nk, *bs.block_sparse_tiles(D, dtype, DEVICE, backward=True), device=DEVICE)
+    o, lse = bs.flash_attn_block_sparse(q, k, v, bm, mod)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    qd, kd, vd = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    ro = _dense_ref_o(qd, kd, vd, mask_mod, score_mod)
+    want = torch.autograd.grad(ro, (qd, kd, vd), do.double().cpu())
+    tol = TOL[dtype] * 10 if ON_GPU else TOL[dtype]
+    for gname, g, w in zip(("dq", "dk", "dv"), grads, want):
+        assert g.dtype == dtype and not torch.isnan(g).any(), f"{name}: {gname} NaN or dtype {g.dtype}"
+        err = (g.double().cpu() - w).abs().max().item()
+        assert err <= tol * max(1.0, w.abs().max().item()), f"{name}: {gname} max err {err:.3g}"

@@ -577,15 +577,31 @@ def launch_configs_block_sparse(d, dtype, capability=None, smem=None):
     return configs if capability is None else fitting_configs(SMEM_KIND, configs, d, dtype, capability, smem)
 
 
-def block_sparse_tiles(d: int, dtype=torch.float16, device=None):
+def block_sparse_tiles(d: int, dtype=torch.float16, device=None, backward: bool = False):
     """(BLOCK_M, BLOCK_N) to build the block mask with, for head dim d on ``device``: 16 x 16 under the
-    interpreter (or on the CPU), else the first configuration that fits the GPU."""
+    interpreter (or on the CPU), else the first configuration that fits the GPU (``backward``: the backward
+    too; a ValueError where nothing does, as on a T4)."""
     device = torch.device(device) if device is not None else None
     if interpreting() or device is None or device.type != "cuda":
         return _INTERPRETER_CONFIG["BLOCK_M"], _INTERPRETER_CONFIG["BLOCK_N"]
     cap, smem = _device_limits(device)
-    cfg = launch_configs_block_sparse(d, dtype, cap, smem)[0]
-    return cfg["BLOCK_M"], cfg["BLOCK_N"]
+    return _tiles_for(d, dtype, cap, smem, backward)
+
+
+def _tiles_for(d, dtype, cap, smem, backward):
+    configs = SHAPES["block_sparse"](d) if backward and cap >= (8, 0) else launch_configs_block_sparse(d, dtype, cap, smem)
+    for cfg in configs:
+        elt = torch.empty((), dtype=dtype).element_size()
+        if smem_estimate(SMEM_KIND, cfg, d, elt, cap) > smem:
+            continue
+        if backward:
+            try:
+                bwd_configs(cfg, d, dtype, cap, smem)
+            except ValueError:
+                continue
+        return cfg["BLOCK_M"], cfg["BLOCK_N"]
+    raise ValueError(f"no tile of the block-sparse {'backward' if backward else 'forward'} fits this GPU's "
+                     f"{smem // 1024} KB of shared memory at head dim {d} (sm_{cap[0]}{cap[1]})")
 
 
 def _pick_config(bm, bn, d, dtype, device):
@@ -602,16 +618,17 @@ def _pick_config(bm, bn, d, dtype, device):
 
 
 def bwd_configs(cfg, d, dtype, capability, smem):
-    """The backward's launch options for the forward's tile ``cfg``: num_stages 2, else 1, the first at which
-    both backward kernels fit (common.smem_estimate's "dkdv" and "dq"; no atomics), as a dict."""
+    """The backward's launch options for the forward's tile ``cfg``: num_stages 2, when both backward kernels fit
+    (common.smem_estimate's "dkdv" and "dq"; no atomics), as a dict. (At num_stages 1 Triton stages the transposed
+    tiles in shared memory instead, more than the estimate says: not offered.)"""
     elt = torch.empty((), dtype=dtype).element_size()
-    for stages in (2, 1):
+    for stages in (2,):
         c = dict(cfg, num_stages=stages)
         if max(smem_estimate("dkdv", c, d, elt, capability), smem_estimate("dq", c, d, elt, capability)) <= smem:
             return c
     raise ValueError(f"the block-sparse backward does not fit {cfg['BLOCK_M']} x {cfg['BLOCK_N']} tiles at head dim "
                      f"{d} in this GPU's {smem // 1024} KB of shared memory (sm_{capability[0]}{capability[1]}): "
-                     "build the block mask with smaller tiles")
+                     "build the block mask with block_sparse_tiles(d, dtype, device, backward=True)")
 
 
 def _bwd_config(cfg, d, dtype, device):
