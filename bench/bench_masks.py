@@ -8,12 +8,14 @@ causal; prefix-LM with a quarter of the sequence as prefix; softcap 50 and ALiBi
 d = 128, H = 16, B * N = 16384 tokens: the course's ``flash_attn_block_sparse_triton`` (its block index built on
 the device beforehand, not timed), ``flex_attention`` compiled with ``torch.compile`` (its block mask from
 ``create_block_mask``, 128 x 128, not timed) and SDPA with the dense ``[N, N]`` boolean mask (no score mod: it
-has none; rows with one get no SDPA figure). Forward only: the course has no block-sparse backward yet.
+has none; rows with one get no SDPA figure). With ``--bwd`` also the backward (dO given, dQ, dK, dV) of the course
+(``flash_attn_block_sparse``) and of FlexAttention; SDPA's is left out.
 
 Correctness first, every row: O of the first and last head against float64 (the mask and score_mod applied
 densely, lesson 12's ``attention_mods_ref`` chunked on the GPU), within twice FlexAttention's own error in bf16
 (FlashAttention's 2x rule, FlexAttention as the baseline that runs every row), lse within 5e-3; a row that fails
-is recorded and not timed. Timing: bench/common.py's do_bench median, L2 flushed. Writes
+is recorded and not timed. The backward's gradients are compared with FlexAttention's (largest difference over the
+largest gradient, ``bwd_rel_diff``, timed when below 5e-2): no float64 backward at these sizes. Timing: bench/common.py's do_bench median, L2 flushed. Writes
 bench/results/masks_<gpu>.json after every row and prints a short table last.
 """
 import argparse
@@ -99,10 +101,30 @@ def check(q, k, v, mask_mod, score_mod, o, lse, o_flex):
     return {"pass": ok, "err": err, "flex_err": flex_err, "lse_err": lse_err}
 
 
+def backward(q, k, v, bm, mod, fbm, fmod, flex):
+    """The course's and FlexAttention's backward on one dO: their gradients' largest difference relative to the
+    largest gradient, and (when below 5e-2) the ms of each backward alone (the forward's graph kept)."""
+    from helpers.kernels import block_sparse as bs
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    o, _ = bs.flash_attn_block_sparse(qg, kg, vg, bm, mod)
+    o_f = flex(qg, kg, vg, score_mod=fmod, block_mask=fbm)
+    do = torch.randn_like(o)
+    mine = torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+    theirs = torch.autograd.grad(o_f, (qg, kg, vg), do, retain_graph=True)
+    rel = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+              for a, b in zip(mine, theirs))
+    row = {"bwd_rel_diff": round(rel, 5)}
+    if rel < 5e-2:
+        row["course_bwd_ms"] = bench_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg])
+        row["flex_bwd_ms"] = bench_ms(lambda: o_f.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg])
+    return row
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--N", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--bwd", action="store_true", help="also time the backward")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit(NEEDS_CUDA)
@@ -114,12 +136,13 @@ def main(argv=None):
     gpu = torch.cuda.get_device_name()
     path = results_path(gpu, prefix="masks_")
     dtype, d, H = torch.bfloat16, args.d, 16
-    result = {"meta": run_meta(gpu, timing=TIMING, dtype="bfloat16", d=d, H=H, direction="forward",
+    result = {"meta": run_meta(gpu, timing=TIMING, dtype="bfloat16", d=d, H=H,
+                               direction="forward and backward" if args.bwd else "forward",
                                flex_block=128), "rows": []}
     for N in args.N:
         B = max(1, 16384 // N)
         q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
-        tiles = bs.block_sparse_tiles(d, dtype, q.device)
+        tiles = bs.block_sparse_tiles(d, dtype, q.device, backward=args.bwd)
         for name, spec, mod, mask_mod, score_mod in cases(N, q.device):
             row = {"mask": name, "N": N, "B": B, "tiles": list(tiles)}
             log(f"N={N} {name}")
@@ -142,6 +165,8 @@ def main(argv=None):
                         row["sdpa_dense_ms"] = sdpa_ms("efficient", lambda: F.scaled_dot_product_attention(
                             q, k, v, attn_mask=dm))
                         del dm
+                    if args.bwd:
+                        row.update(backward(q, k, v, bm, mod, fbm, fmod, flex))
             except Exception as e:  # noqa: BLE001 - recorded in the row
                 row["error"] = why(e, 300)
                 log(f"    {row['error']}")
@@ -154,6 +179,8 @@ def main(argv=None):
         fmt = lambda x: f"{x:8.3f}" if x else f"{'-':>8}"  # noqa: E731
         log(f"{r['mask']:>22} {r['N']:>6} {r.get('visible', 0):8.3f} {fmt(c)} {fmt(f)} "
             f"{(f / c if c and f else 0):7.2f} {fmt(s)} {(s / c if c and s else 0):7.2f}"
+            + (f"   bwd: course {fmt(r.get('course_bwd_ms'))}, flex {fmt(r.get('flex_bwd_ms'))}"
+               if "bwd_rel_diff" in r else "")
             + ("" if r.get("pass") else f"  FAILED {r.get('error', r.get('err'))}"))
     log(f"\nwrote {path}")
     return result["rows"]

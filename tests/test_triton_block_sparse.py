@@ -4,8 +4,9 @@ The index is compared with lesson 12's answer (``helpers.lesson12.build_block_ma
 FlexAttention's ``create_block_mask``) entry for entry, and its transposed lists with the transposed classes. Each
 forward is compared per head with lesson 12's float64 dense reference (``attention_mods_ref``: S = q k^T * scale,
 then the score modification, then the mask, then softmax), O and lse; a row that sees no key must give O = 0 and
-lse = -inf, never NaN; the backward (autograd) against float64 autograd of the dense reference. Lengths are not multiples of the tiles; windows wider than the sequence, a window of 0,
-documents of length 1, N != Nk both ways, GQA. Under the interpreter: fp32 (fp16 once), 16 x 16 tiles, d = 16.
+lse = -inf, never NaN; the backward (autograd) against float64 autograd of the dense reference. Lengths are not
+multiples of the tiles; windows wider than the sequence, a window of 0, documents of length 1, N != Nk both ways,
+GQA. Under the interpreter: fp32 (fp16 once), 16 x 16 tiles, d = 16.
 """
 import math
 
