@@ -377,8 +377,8 @@ def gpu_cases(N: int, device, H: int = 4):
 
 
 def run_on_gpu(N: int = 1000, d: int = 64, H: int = 4, device=None, dtype=torch.float16) -> list:
-    """On a CUDA GPU: the course's block-sparse Triton forward on each of ``gpu_cases``, fp16, checked per head
-    against ``attention_mods_ref`` in float64 (O and lse, rows that see nothing included); prints a line per
+    """On a CUDA GPU: the course's block-sparse Triton forward and backward on each of ``gpu_cases``, fp16, checked per
+    head against ``attention_mods_ref`` in float64 (O, lse, and dq, dk, dv through autograd); prints a line per
     mask and raises AssertionError on a mismatch. Without one: says so in one line, shows the recorded figures,
     returns []. (``device="cpu"``, ``dtype=torch.float32``: the same under Triton's interpreter, for the tests.)"""
     if device is None and not torch.cuda.is_available():
@@ -393,25 +393,33 @@ def run_on_gpu(N: int = 1000, d: int = 64, H: int = 4, device=None, dtype=torch.
     dev = torch.device(device or "cuda")
     g = torch.Generator().manual_seed(0)
     q, k, v = ((torch.randn(1, H, N, d, generator=g) * s).to(dev, dtype) for s in (3, 3, 1))
-    tiles = bs.block_sparse_tiles(d, dtype, dev)
+    tiles = bs.block_sparse_tiles(d, dtype, dev, backward=True)
+    do = torch.randn(1, H, N, d, generator=g).to(dev, dtype)
     out = []
     for name, spec, mod, mask_mod, score_mod in gpu_cases(N, dev, H):
         bm = bs.build_block_mask_triton(spec, N, N, *tiles, device=dev)
-        o, lse = bs.flash_attn_block_sparse_triton(q, k, v, bm, score_mod=mod)
-        err = lse_err = 0.0
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        o, lse = bs.flash_attn_block_sparse(qg, kg, vg, bm, score_mod=mod)           # forward, then the backward
+        grads = torch.autograd.grad(o, (qg, kg, vg), do)
+        err = lse_err = grad_err = 0.0
         for h in range(H):
-            ro, rl = attention_mods_ref(q[0, h].cpu(), k[0, h].cpu(), v[0, h].cpu(), mask_mod, score_mod, h=h)
+            q64, k64, v64 = (t[0, h].detach().double().cpu().requires_grad_() for t in (q, k, v))
+            ro, rl = attention_mods_ref(q64, k64, v64, mask_mod, score_mod, h=h)
+            want = torch.autograd.grad(ro, (q64, k64, v64), do[0, h].double().cpu())
             got_l = lse[0, h].double().cpu()
             assert torch.equal(torch.isneginf(got_l), torch.isneginf(rl)), f"{name}: the rows that see nothing differ"
             seen = torch.isfinite(rl)
             err = max(err, (o[0, h].double().cpu() - ro).abs().max().item())
             lse_err = max(lse_err, (got_l[seen] - rl[seen]).abs().max().item())
-        ok = err < 1e-2 and lse_err < 1e-2
+            for gr, w in zip(grads, want):                                          # relative to the largest entry
+                grad_err = max(grad_err, ((gr[0, h].double().cpu() - w).abs().max() / w.abs().max()).item())
+        ok = err < 1e-2 and lse_err < 1e-2 and grad_err < 2e-2
         n = tile_counts_from(bm)
-        print(f"{'✅' if ok else '❌'} {name:32} max |O - ref| {err:.1e}, |lse - ref| {lse_err:.1e}; "
-              f"tiles: {n['full']} full, {n['partial']} partial of {n['all']}")
-        assert ok, f"{name}: the block-sparse kernel differs from float64 by {err:.3g} (O), {lse_err:.3g} (lse)"
-        out.append(dict(mask=name, err=err, lse_err=lse_err, **n))
+        print(f"{'✅' if ok else '❌'} {name:30} |O - ref| {err:.1e}, |lse - ref| {lse_err:.1e}, dq/dk/dv {grad_err:.1e} "
+              f"of the largest; tiles: {n['full']} full, {n['partial']} partial of {n['all']}")
+        assert ok, (f"{name}: the block-sparse kernels differ from float64 by {err:.3g} (O), {lse_err:.3g} (lse), "
+                    f"{grad_err:.3g} (gradients, relative)")
+        out.append(dict(mask=name, err=err, lse_err=lse_err, grad_err=grad_err, **n))
     print(f"({tiles[0]} x {tiles[1]} tiles, N = {N}, d = {d}, H = {H}, {str(dtype).replace('torch.', '')})")
     return out
 
