@@ -124,7 +124,8 @@ def test_window_of_zero_and_rows_that_see_nothing():
     assert torch.isneginf(lse[:, :, :21]).all() and torch.isfinite(lse[:, :, 21:]).all()
     # a window (2, 2) shifted by Nk - N = -30: rows 0..27 see nothing; whole Q blocks of them visit no tile
     bm, o, lse = _run(bs.sliding_window_mask((2, 2)), L.sliding_window(40, 10, (2, 2)), 40, 10)
-    assert int(bm.kv_num_blocks[0, 0, 0]) + int(bm.full_kv_num_blocks[0, 0, 0]) == 0
+    if not ON_GPU:  # 16-row Q blocks: the first sees nothing, and visits no tile
+        assert int(bm.kv_num_blocks[0, 0, 0]) + int(bm.full_kv_num_blocks[0, 0, 0]) == 0
 
 
 def test_documents_of_length_one_per_sequence():
