@@ -1,7 +1,7 @@
 """Lesson 12's masks and score modifications on one GPU: the course's block-sparse forward against FlexAttention
 and against SDPA with a dense boolean mask.
 
-    python3 bench/bench_masks.py [--N 4096 16384] [--d 128]
+    python3 bench/bench_masks.py [--N 4096 16384] [--d 128] [--bwd]
 
 Per mask and score_mod (causal; sliding windows (1024, 0) and (4096, 0), causal; 8 and 64 packed documents,
 causal; prefix-LM with a quarter of the sequence as prefix; softcap 50 and ALiBi on the causal mask), bf16,
@@ -16,9 +16,11 @@ densely, lesson 12's ``attention_mods_ref`` chunked on the GPU), within twice Fl
 (FlashAttention's 2x rule, FlexAttention as the baseline that runs every row), lse within 5e-3; a row that fails
 is recorded and not timed. The backward's gradients are compared with FlexAttention's (largest difference over the
 largest gradient, ``bwd_rel_diff``, timed when below 5e-2): no float64 backward at these sizes. Timing: bench/common.py's do_bench median, L2 flushed. Writes
-bench/results/masks_<gpu>.json after every row and prints a short table last.
+bench/results/masks_<gpu>.json after every row (keeping the rows of other N from an earlier run: one call per N
+fits a ten-minute limit) and prints a short table last.
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -139,6 +141,9 @@ def main(argv=None):
     result = {"meta": run_meta(gpu, timing=TIMING, dtype="bfloat16", d=d, H=H,
                                direction="forward and backward" if args.bwd else "forward",
                                flex_block=128), "rows": []}
+    if os.path.exists(path):  # a run for some N keeps the rows of the others (one call per N fits a time limit)
+        with open(path, encoding="utf-8") as f:
+            result["rows"] = [r for r in json.load(f).get("rows", []) if r.get("N") not in args.N]
     for N in args.N:
         B = max(1, 16384 // N)
         q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
