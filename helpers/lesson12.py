@@ -25,11 +25,14 @@ import math
 
 import torch
 
+from .results import RESULTS_DIR, load_json, results_label
+
 __all__ = ["MaskMod", "ScoreMod", "causal", "sliding_window", "document", "prefix_lm", "no_mask",
            "softcap", "alibi", "relative_bias", "alibi_slopes", "SKIP", "FULL", "PARTIAL", "CLASSES",
            "dense_mask", "tile_classes", "classes_from_block_mask", "build_block_mask_ref", "flex_block_mask",
            "attention_mods_ref", "flash_attn_block_sparse_ref", "every_tile_attention", "softcap_grad_ref",
-           "tile_counts", "render_tile_classes", "plot_masks"]
+           "tile_counts", "render_tile_classes", "plot_masks", "MASKS_RESULTS", "show_masks_results", "gpu_cases",
+           "run_on_gpu", "tile_counts_from"]
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 CLASSES = ("skip", "full", "partial")
@@ -329,3 +332,99 @@ def plot_masks(masks: dict, N: int, Nk: int, BLOCK_M: int, BLOCK_N: int):
         render_tile_classes(mm, N, Nk, BLOCK_M, BLOCK_N, ax=ax, title=name)
     fig.tight_layout()
     return fig
+
+
+# ------------------------------------------------------------------ on a GPU: the course's block-sparse Triton kernel
+MASKS_RESULTS = RESULTS_DIR / "masks_h200.json"        # bench/bench_masks.py on an H200
+
+
+def show_masks_results(path=MASKS_RESULTS) -> None:
+    """Print the recorded mask figures (bench/bench_masks.py: course vs FlexAttention vs SDPA with a dense mask),
+    or say that none are recorded."""
+    res = load_json(path)
+    if res is None:
+        print(f"No figures are recorded yet: {path.name} is missing (`python3 bench/bench_masks.py` on a CUDA GPU "
+              "writes it).")
+        return
+    meta = res.get("meta", {})
+    print(f"Recorded: {results_label(meta)}, {meta.get('dtype', '?')}, d = {meta.get('d', '?')}, forward; ms, "
+          "and how many times longer the others take")
+    print(f"{'mask':>22} {'N':>6} {'course':>8} {'flex':>8} {'x flex':>7} {'sdpa':>8} {'x sdpa':>7}")
+    for r in res.get("rows", []):
+        c, f, s = r.get("course_ms"), r.get("flex_ms"), r.get("sdpa_dense_ms")
+        cell = lambda x: f"{x:8.3f}" if x else f"{'-':>8}"  # noqa: E731
+        ratio = lambda x: f"{x / c:7.2f}" if c and x else f"{'-':>7}"  # noqa: E731
+        print(f"{r['mask']:>22} {r['N']:>6} {cell(c)} {cell(f)} {ratio(f)} {cell(s)} {ratio(s)}")
+
+
+def gpu_cases(N: int, device, H: int = 4):
+    """[(name, the kernel's MaskSpec, its score_mod, this lesson's mask_mod, its score_mod or None)]: the lesson's
+    masks written twice, as the Triton kernel's constexpr variants and as this lesson's predicates."""
+    from .kernels import block_sparse as bs
+    docs = torch.repeat_interleave(torch.arange(6), torch.tensor([N // 3, 1, N // 4, 1, N // 5, 0]))
+    docs = torch.cat([docs, torch.full((N - docs.numel(),), 6)]).to(device)          # 7 documents, two of length 1
+    slopes = alibi_slopes(H)
+    return [
+        ("causal", bs.causal_mask(), None, causal(N, N), None),
+        ("sliding window (64, 0), causal", bs.sliding_window_mask((64, 0), causal=True), None,
+         sliding_window(N, N, (64, 0), is_causal=True), None),
+        ("documents, causal", bs.document_mask(docs, causal=True), None, document(docs.cpu(), is_causal=True), None),
+        (f"prefix-LM {N // 4}", bs.prefix_lm_mask(N // 4), None, prefix_lm(N // 4), None),
+        ("window (64, 0) + softcap 20", bs.sliding_window_mask((64, 0), causal=True), bs.SoftCap(20.0),
+         sliding_window(N, N, (64, 0), is_causal=True), softcap(20.0)),
+        ("causal + ALiBi", bs.causal_mask(), bs.ALiBi(slopes.float().to(device)), causal(N, N), alibi(slopes, N, N)),
+    ]
+
+
+def run_on_gpu(N: int = 1000, d: int = 64, H: int = 4, device=None, dtype=torch.float16) -> list:
+    """On a CUDA GPU: the course's block-sparse Triton forward and backward on each of ``gpu_cases``, fp16, checked per
+    head against ``attention_mods_ref`` in float64 (O, lse, and dq, dk, dv through autograd); prints a line per
+    mask and raises AssertionError on a mismatch. Without one: says so in one line, shows the recorded figures,
+    returns []. (``device="cpu"``, ``dtype=torch.float32``: the same under Triton's interpreter, for the tests.)"""
+    if device is None and not torch.cuda.is_available():
+        print("No CUDA GPU here: the block-sparse Triton kernel runs only on one (its interpreter tests are "
+              "tests/test_triton_block_sparse.py).")
+        show_masks_results()
+        return []
+    from . import triton_mode
+    triton_mode.require_triton("Triton is not installed in this Python: the block-sparse kernel cannot run here.",
+                               show_masks_results)
+    from .kernels import block_sparse as bs
+    dev = torch.device(device or "cuda")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = ((torch.randn(1, H, N, d, generator=g) * s).to(dev, dtype) for s in (3, 3, 1))
+    tiles = bs.block_sparse_tiles(d, dtype, dev, backward=True)
+    do = torch.randn(1, H, N, d, generator=g).to(dev, dtype)
+    out = []
+    for name, spec, mod, mask_mod, score_mod in gpu_cases(N, dev, H):
+        bm = bs.build_block_mask_triton(spec, N, N, *tiles, device=dev)
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        o, lse = bs.flash_attn_block_sparse(qg, kg, vg, bm, score_mod=mod)           # forward, then the backward
+        grads = torch.autograd.grad(o, (qg, kg, vg), do)
+        err = lse_err = grad_err = 0.0
+        for h in range(H):
+            q64, k64, v64 = (t[0, h].detach().double().cpu().requires_grad_() for t in (q, k, v))
+            ro, rl = attention_mods_ref(q64, k64, v64, mask_mod, score_mod, h=h)
+            want = torch.autograd.grad(ro, (q64, k64, v64), do[0, h].double().cpu())
+            got_l = lse[0, h].double().cpu()
+            assert torch.equal(torch.isneginf(got_l), torch.isneginf(rl)), f"{name}: the rows that see nothing differ"
+            seen = torch.isfinite(rl)
+            err = max(err, (o[0, h].double().cpu() - ro).abs().max().item())
+            lse_err = max(lse_err, (got_l[seen] - rl[seen]).abs().max().item())
+            for gr, w in zip(grads, want):                                          # relative to the largest entry
+                grad_err = max(grad_err, ((gr[0, h].double().cpu() - w).abs().max() / w.abs().max()).item())
+        ok = err < 1e-2 and lse_err < 1e-2 and grad_err < 2e-2
+        n = tile_counts_from(bm)
+        print(f"{'✅' if ok else '❌'} {name:30} |O - ref| {err:.1e}, |lse - ref| {lse_err:.1e}, dq/dk/dv {grad_err:.1e} "
+              f"of the largest; tiles: {n['full']} full, {n['partial']} partial of {n['all']}")
+        assert ok, (f"{name}: the block-sparse kernels differ from float64 by {err:.3g} (O), {lse_err:.3g} (lse), "
+                    f"{grad_err:.3g} (gradients, relative)")
+        out.append(dict(mask=name, err=err, lse_err=lse_err, grad_err=grad_err, **n))
+    print(f"({tiles[0]} x {tiles[1]} tiles, N = {N}, d = {d}, H = {H}, {str(dtype).replace('torch.', '')})")
+    return out
+
+
+def tile_counts_from(bm) -> dict:
+    """How many tiles a kernel's block mask lists as full and as partial, of all of them (first sequence)."""
+    return dict(full=int(bm.full_kv_num_blocks[0].sum()), partial=int(bm.kv_num_blocks[0].sum()),
+                all=int(bm.kv_indices[0, 0].numel()))

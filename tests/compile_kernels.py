@@ -87,7 +87,7 @@ def _torch_dtype(name):
 
 def _configs(kind, d, dtype, cc):
     """The configurations the launcher of ``kind`` would try on a GPU of compute capability ``cc``."""
-    from helpers.kernels import common as kc, decode as kd, forward as kf
+    from helpers.kernels import common as kc
     if os.environ.get("COMPILE_EVERY_CONFIG"):  # what pruning leaves out too: to see what fits where
         return kc.launch_configs(kind, d, _torch_dtype(dtype))
     return kc.launch_configs(kind, d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"])
@@ -95,13 +95,13 @@ def _configs(kind, d, dtype, cc):
 
 def _meta(kind, cfg, d, dtype, cc, **kw):
     """What the test checks beyond compiling: the launcher's estimate of the shared memory (an upper bound)."""
-    from helpers.kernels import common as kc, decode as kd, forward as kf
+    from helpers.kernels import common as kc
     elt = 4 if dtype == "fp32" else 2
     return dict(d=d, estimate=kc.smem_estimate(kind, cfg, d, elt, (cc // 10, cc % 10), **kw))
 
 
 def _use_tma(cc, dtype):
-    from helpers.kernels import common as kc, decode as kd, forward as kf
+    from helpers.kernels import common as kc
     return kc.use_tma_for((cc // 10, cc % 10), _torch_dtype(dtype))
 
 
@@ -150,7 +150,7 @@ def _plan(cc, kind, variants):
 
 
 def fwd_jobs(cc, dtypes):
-    from helpers.kernels import common as kc, decode as kd, forward as kf
+    from helpers.kernels import forward as kf
     plan = _plan(cc, "fwd", [(True, False), (False, False)])  # (causal, TMA)
     plan += _padded(cc, "fwd", (True, False))
     if _use_tma(cc, "fp16"):  # TMA keeps Q and more K/V tiles in shared memory: the largest configuration
@@ -173,7 +173,7 @@ def fwd_jobs(cc, dtypes):
 
 
 def decode_jobs(cc, dtypes):
-    from helpers.kernels import common as kc, decode as kd, forward as kf
+    from helpers.kernels import decode as kd
     # (name, HEAD_MAJOR, PAGE, VARLEN, CAUSAL, DIRECT, group, nq): the kvcache variants and flash_decode_triton
     variants = [("kvcache paged 16", False, 16, True, True, False, 4, 1),
                 ("flash_decode", True, 0, False, False, False, 4, 1),
@@ -305,6 +305,59 @@ def varlen_bwd_jobs(cc, dtypes):
     return jobs
 
 
+def block_sparse_jobs(cc, dtypes):
+    """Lesson 12's block-sparse forward: every configuration its launcher keeps on sm_cc (fp16, d = 128, the
+    sliding window: the shared-memory proof), on VARIANT_TARGETS the other masks and score mods and d = 64, on
+    BF16_TARGETS bf16. Its configurations are pruned with the dense forward's estimate (block_sparse.SMEM_KIND)."""
+    import helpers.kernels.block_sparse as kb
+    from helpers.kernels import common as kc
+    some = (lambda cfgs: cfgs) if cc in ALL_CONFIG_TARGETS else (lambda cfgs: cfgs[:1])
+    fits = lambda d: kb.launch_configs_block_sparse(d, _torch_dtype("fp16"), (cc // 10, cc % 10), TARGETS[cc]["smem"])  # noqa: E731
+    variants = [(1, 0), (2, 1), (3, 2), (0, 0)]  # (MASK, SCORE_MOD): window, document + softcap, prefix-LM + ALiBi, none
+    plan = [("fp16", 128, cfg, variants[0]) for cfg in some(fits(128))]
+    first = plan[0][2]
+    if cc in VARIANT_TARGETS:
+        plan += [("fp16", 128, first, v) for v in variants[1:]]
+        plan += [("fp16", 64, fits(64)[0], variants[0])]
+    if cc in BF16_TARGETS:
+        plan += [("bf16", 128, first, variants[1])]
+    jobs = []
+    for dtype, d, cfg, (mask, mod) in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, mask=mask, mod=mod):
+            fn = kb._attn_fwd_block_sparse
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", KV_NUM="i32", KV_IDX="i32", FULL_NUM="i32",
+                        FULL_IDX="i32", DOC="i32", SLOPES="fp32")
+            sig, const, attrs = signature(fn, ptrs, ("sm_scale", "qk_scale", "cap"), dict(
+                HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MASK=mask, SCORE_MOD=mod),
+                ints16=("N", "Nk"))
+            return fn, sig, const, attrs, cfg
+        elt = 4 if dtype == "fp32" else 2
+        meta = dict(d=d, estimate=kc.smem_estimate(kb.SMEM_KIND, cfg, d, elt, (cc // 10, cc % 10)))
+        jobs.append(Job("block-sparse forward", f"{dtype} d={d} MASK={mask} SCORE_MOD={mod} {_cfg_label(cfg)}",
+                        build, meta))
+    if cc >= 80:  # the backward: at block_sparse_tiles(backward=True)'s tile, bwd_configs' options (none fits sm_75)
+        for dtype, d, (mask, mod) in [("fp16", 128, (2, 1)), ("fp16", 64, (1, 2))][:2 if cc in VARIANT_TARGETS else 1]:
+            bm_, bn_ = kb._tiles_for(d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"], True)
+            tile = next(c for c in kb.SHAPES["block_sparse"](d) if (c["BLOCK_M"], c["BLOCK_N"]) == (bm_, bn_))
+            cfg = kb.bwd_configs(tile, d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"])
+            for kind, fn_name in (("dkdv", "_bwd_dkdv_block_sparse"), ("dq", "_bwd_dq_block_sparse")):
+                def bwd(cfg=cfg, d=d, dtype=dtype, mask=mask, mod=mod, fn_name=fn_name, kind=kind):
+                    fn = getattr(kb, fn_name)
+                    lists = ("Q_NUM", "Q_IDX", "FULL_Q_NUM", "FULL_Q_IDX") if kind == "dkdv" else \
+                        ("KV_NUM", "KV_IDX", "FULL_NUM", "FULL_IDX")
+                    grads = dict(DK="fp32", DV="fp32") if kind == "dkdv" else dict(DQ=dtype)
+                    ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DOC="i32", SLOPES="fp32",
+                                **grads, **{n: "i32" for n in lists})
+                    sig, const, attrs = signature(fn, ptrs, ("sm_scale", "qk_scale", "cap"), dict(
+                        HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MASK=mask, SCORE_MOD=mod),
+                        ints16=("N", "Nk"))
+                    return fn, sig, const, attrs, cfg
+                meta = dict(d=d, estimate=kc.smem_estimate(kind, cfg, d, 2, (cc // 10, cc % 10)))
+                jobs.append(Job("block-sparse backward", f"{kind} {dtype} d={d} MASK={mask} SCORE_MOD={mod} "
+                                f"{_cfg_label(cfg)}", bwd, meta))
+    return jobs
+
+
 # ------------------------------------------------------------------ the teaching kernels and the worked notebooks
 def notebook_ns(name):
     from tests.conftest import notebook_namespace
@@ -357,7 +410,6 @@ def _notebook_fwd_config(ns, d):
 
 
 def lesson08_jobs(cc, dtypes):
-    import helpers.kernels.backward as tb
     ns = notebook_ns("08_backward_pass")
     jobs = []
     more = cc in VARIANT_TARGETS
@@ -422,6 +474,8 @@ KERNELS = {
     "varlen forward": varlen_jobs,
     "varlen backward dK/dV": varlen_bwd_jobs,
     "varlen backward dQ": varlen_bwd_jobs,
+    "block-sparse forward": block_sparse_jobs,
+    "block-sparse backward": block_sparse_jobs,
     "notebook 07 attn_fwd": lesson07_jobs,
     "notebook 07 decode_split": lesson07_jobs,
     "notebook 07 decode_combine": lesson07_jobs,
@@ -432,10 +486,13 @@ KERNELS = {
 }
 ONLY_SM90 = {"planted kernels of the tests"}  # run only in the maintainers' GPU test runs (an H200)
 SOME_TARGETS = {"varlen backward dK/dV": VARLEN_BWD_TARGETS, "varlen backward dQ": VARLEN_BWD_TARGETS}
+# no tile of it fits a T4's 64 KB: its launcher refuses clearly there (tests/test_compile_targets.py checks the message)
+FROM_SM80 = {"block-sparse backward"}
 
 
 def kernels_for(cc):
-    return [k for k in KERNELS if (cc == 90 or k not in ONLY_SM90) and cc in SOME_TARGETS.get(k, (cc,))]
+    return [k for k in KERNELS if (cc == 90 or k not in ONLY_SM90) and cc in SOME_TARGETS.get(k, (cc,))
+            and (cc >= 80 or k not in FROM_SM80)]
 
 
 def jobs_for(cc, kernels):

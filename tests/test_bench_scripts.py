@@ -149,3 +149,26 @@ def test_each_script_takes_the_shared_pieces_from_common(name):
                           (r"from bench import|import bench\b", "bench.py imported as a module (it shadows bench/)")):
         found = re.findall(pattern, src, flags=re.M)
         assert not found, f"{name}: {what}: {found}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without CUDA")
+def test_bench_masks_needs_cuda_and_says_so():
+    bench = _load("bench_masks")
+    with pytest.raises(SystemExit, match="needs|CUDA GPU") as e:
+        bench.main([])
+    assert str(e.value) == bench.NEEDS_CUDA
+
+
+def test_bench_masks_writes_each_mask_twice_alike():
+    """Each row's mask for the course's kernel (a MaskSpec) and for FlexAttention and the reference (lesson 12's
+    predicate) is one mask: the same tile classes, the same visible pairs."""
+    from helpers import lesson12 as L
+    from helpers.kernels import block_sparse as bs
+    bench = _load("bench_masks")
+    N = 256
+    rows = bench.cases(N, "cpu")
+    assert len(rows) == 6 and len({r[0] for r in rows}) == 6  # no window as wide as N = 256
+    for name, spec, mod, mask_mod, score_mod in rows:
+        bm = bs.build_block_mask_triton(spec, N, N, 32, 32)
+        assert torch.equal(bm.classes(), L.tile_classes(mask_mod, N, N, 32, 32)), name
+        assert (mod is None) == (score_mod is None), name
