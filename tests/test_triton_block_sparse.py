@@ -137,6 +137,21 @@ def test_documents_of_length_one_per_sequence():
         _run(bs.document_mask(docs, causal), [L.document(d0, causal), L.document(d1, causal)], N, N, B=2, seed=1)
 
 
+def test_a_late_first_key_with_a_very_negative_score_in_half_precision():
+    """A row whose first visited tiles are all masked (the first token of a document, late in its Q block) and whose
+    one key scores very low: its running max must stay -inf until that key, or p = exp2(s - 0) underflows in the
+    half-precision P V while l keeps it (O = 0 instead of v; seen natively on the H200 before the fix)."""
+    N, dtype = 60, torch.float16
+    q, k, v = _inputs(1, 2, 2, N, N, dtype, seed=3)
+    docs = torch.tensor([0] * 20 + [1] + [2] * 39)                    # row 20 sees only key 20
+    k[:, :, 20] = -q[:, :, 20]                                        # its one score: -|q_20|^2 * scale, about -70
+    k[:, :, 21] = (-0.5 * q[:, :, 21]).to(dtype)                      # row 21's own key scores low too
+    _check(q, k, v, [L.document(docs, True)], [[None, None]],
+           *bs.flash_attn_block_sparse_triton(q, k, v, bs.build_block_mask_triton(
+               bs.document_mask(docs.to(DEVICE), True), N, N, *bs.block_sparse_tiles(D, dtype, DEVICE),
+               device=DEVICE)), TOL[dtype], "documents, late first key")
+
+
 def test_prefix_lm():
     _run(bs.prefix_lm_mask(20), L.prefix_lm(20), 39, 39)
     _run(bs.prefix_lm_mask(0), L.prefix_lm(0), 18, 18)  # no prefix: causal

@@ -312,12 +312,16 @@ def _block_sparse_inner(
                 keep = keep & ((cols[None, :] <= offs_m[:, None]) | (cols[None, :] < prefix))
             s = tl.where(keep, s, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-            m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: subtract 0, no NaN
+            # A row with no key yet subtracts 0 (no NaN), but its running max stays -inf: were it set to 0, a
+            # later key with a very negative score would give p = exp2(s - 0), which fp16 rounds or flushes to 0
+            # in P V while l keeps it (FlashAttention's Check_inf also substitutes only in the subtraction).
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
         else:
             m_ij = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-        p = tl.math.exp2(s - m_ij[:, None])  # [BLOCK_M, BLOCK_N]
+            m_sub = m_ij
+        p = tl.math.exp2(s - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
         # -- online softmax: rescale what we had, add this tile --
-        alpha = tl.math.exp2(m_i - m_ij)  # [BLOCK_M]
+        alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_M]
         l_i = l_i * alpha + tl.sum(p, 1)  # [BLOCK_M]
         acc = acc * alpha[:, None]  # [BLOCK_M, D]
         acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, D]
