@@ -519,3 +519,17 @@ def test_lesson11_fa3_variant_figures_match_their_record():
     every = results.load_gluon()["rows"] + rows
     fastest = sum(r["sdpa_cudnn_tflops"] >= max(v for k, v in r.items() if k.endswith("_tflops")) for r in every)
     assert f"fastest in {fastest} of the {len(every)} rows timed" in text
+
+
+def test_lesson12_mask_figures_match_their_record():
+    """Lesson 12's sentence on the recorded mask figures carries bench/results/masks_h200.json's ratios."""
+    import json
+    from conftest import ROOT
+    rows = json.loads((ROOT / "bench" / "results" / "masks_h200.json").read_text())["rows"]
+    assert rows and all(r["pass"] for r in rows)
+    flex = [r["flex_ms"] / r["course_ms"] for r in rows if "softcap" not in r["mask"]]
+    soft = [r["flex_ms"] / r["course_ms"] for r in rows if "softcap" in r["mask"]]
+    sdpa = [r["sdpa_dense_ms"] / r["course_ms"] for r in rows if r.get("sdpa_dense_ms")]
+    text = _flat(_markdown("12_masks_and_score_mods"))
+    assert f"({min(flex):.2f}–{max(flex):.2f}× its speed)" in text and f"softcap ({soft[0]:.2f}×)" in text
+    assert f"{min(sdpa):.1f}× (prefix-LM) to {max(sdpa):.0f}× (64 documents) faster" in text
