@@ -98,13 +98,18 @@ check: test check-solutions check-notebooks e2e  ## everything CI runs: unit tes
 check-gpu:  ## (CUDA GPU) kernel and checker tests natively, every notebook in a real Jupyter kernel; writes bench/results/check_gpu.json
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/check_gpu.py
 
-bench:  ## time the Triton kernels (forward, varlen, decode, paged decode, backward) against SDPA and train a small GPT (CUDA GPU; writes bench/results/)
+bench:  ## time the kernels (forward, varlen, decode, paged decode, backward with GQA and any head dim, masks; Gluon on sm_90) against SDPA and FlexAttention, and train a GPT and a Llama-style model (CUDA GPU; writes bench/results/)
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_paths.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_varlen.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_kvcache.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_bwd.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/train_gpt.py
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_bwd.py --gqa-head-dims
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_masks.py --bwd
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/train_llama.py
+	if $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -c 'import torch, sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))'; then \
+	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --variant one ws overlap pp; fi
 
 clean:  ## remove caches (keeps .venv/)
 	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache
