@@ -248,3 +248,48 @@ def corpus_bytes() -> bytes:
     if len(data) < 10_000:
         raise RuntimeError(f"corpus too small ({len(data)} bytes): run from the course's repository")
     return data
+
+
+def training_cli(doc: str, script: str, gpu_cfg: dict, tiny_cfg: dict, tiny_help: str):
+    """The training scripts' command line (``--cpu``, ``--tiny``, ``--steps``, ``--out``): (args, device, cfg, dtype).
+    On a GPU bf16 autocast; with ``--cpu`` fp32 under Triton's interpreter (the script sets TRITON_INTERPRET itself
+    before importing Triton)."""
+    import argparse
+    import torch
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU under TRITON_INTERPRET=1 (fp32)")
+    ap.add_argument("--tiny", action="store_true", help=tiny_help)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--out", default=RESULTS_DIR)
+    args = ap.parse_args()
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA GPU (or --cpu --tiny for the interpreter)")
+    cfg = dict(tiny_cfg if args.tiny else gpu_cfg)
+    if args.steps:
+        cfg["steps"] = args.steps
+    return args, device, cfg, torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def adamw_cosine(model, cfg: dict):
+    """AdamW (betas 0.9, 0.95; weight decay 0.1) at cfg["lr"], linear warmup over cfg["warmup"] steps, then a
+    cosine decay over cfg["steps"]: (optimizer, scheduler)."""
+    import torch
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg["warmup"])
+                                              * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg["steps"]))))
+    return opt, sched
+
+
+def train_step(model, opt, sched, device: str, dtype, *inputs) -> float:
+    """One training step: the model's loss on inputs (bf16 autocast on a GPU), backward, gradients clipped at 1.0,
+    the optimizer and the schedule. Returns the loss as a float (``.item()`` syncs: a step's time is all of it)."""
+    import torch
+    with torch.autocast(device, dtype=dtype, enabled=device == "cuda"):
+        loss = model(*inputs)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()

@@ -12,8 +12,6 @@ read from this repository; no network. Writes <out>/train_gpt.json (loss per ste
 tokens per second, settings, versions) and <out>/train_gpt.png (both loss curves on one figure).
 """
 
-import argparse
-import json
 import math
 import os
 import sys
@@ -23,7 +21,8 @@ if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is impor
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
-from common import RESULTS_DIR, TIMING, bench_ms, corpus_bytes, log, run_meta, save_figure, subplots, write_json  # noqa: E402
+from common import (TIMING, adamw_cosine, bench_ms, corpus_bytes, log, run_meta, save_figure, subplots,  # noqa: E402
+                    train_step, training_cli, write_json)
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -95,9 +94,7 @@ def batches(data, T, batch, steps, seed, device):
 def train(attn, cfg, data, val, device, dtype, seed=1234):
     torch.manual_seed(seed)
     model = GPT(cfg["n_layer"], cfg["n_head"], cfg["d_model"], cfg["T"], attn).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg["warmup"])
-                                              * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg["steps"]))))
+    opt, sched = adamw_cosine(model, cfg)
     use_amp = device == "cuda"
     losses, vals, t_start, timed_tokens, train_s = [], [], None, 0, 0.0
     skip = min(10, cfg["steps"] // 4)  # steps left out of the rate (compilation, autotuning)
@@ -114,14 +111,7 @@ def train(attn, cfg, data, val, device, dtype, seed=1234):
             if device == "cuda":
                 torch.cuda.synchronize()
             t_start = time.perf_counter()
-        with torch.autocast(device, dtype=dtype, enabled=use_amp):
-            loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())  # .item() syncs: the rate includes the whole step
+        losses.append(train_step(model, opt, sched, device, dtype, x, y))
         if step >= skip:
             timed_tokens += x.numel()
         if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
@@ -170,19 +160,8 @@ def plot(res, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", help="run on the CPU under TRITON_INTERPRET=1 (fp32)")
-    ap.add_argument("--tiny", action="store_true", help="the tiny configuration (1 layer, T = 16, 2 steps)")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--out", default=RESULTS_DIR)
-    args = ap.parse_args()
-    device = "cpu" if args.cpu else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("train_gpt.py needs a CUDA GPU (or --cpu --tiny for the interpreter)")
-    cfg = dict(TINY_CONFIG if args.tiny else GPU_CONFIG)
-    if args.steps:
-        cfg["steps"] = args.steps
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    args, device, cfg, dtype = training_cli(__doc__, "train_gpt.py", GPU_CONFIG, TINY_CONFIG,
+                                            "the tiny configuration (1 layer, T = 16, 2 steps)")
     raw = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
     cut = int(0.9 * len(raw))
     data, val = raw[:cut], raw[cut:]

@@ -24,7 +24,6 @@ Same seed, same initial weights, same batches. Writes <out>/train_llama.json (lo
 second, settings, versions) and <out>/train_llama.png (both loss curves).
 """
 
-import argparse
 import math
 import os
 import sys
@@ -34,7 +33,8 @@ if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is impor
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
-from common import RESULTS_DIR, corpus_bytes, log, run_meta, save_figure, subplots, write_json  # noqa: E402
+from common import (adamw_cosine, corpus_bytes, log, run_meta, save_figure, subplots, train_step,  # noqa: E402
+                    training_cli, write_json)
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -168,10 +168,7 @@ class Llama(nn.Module):
 def train(attn, cfg, data, docs, device, dtype, seed=1234):
     torch.manual_seed(seed)
     model = Llama(cfg, attn).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg["warmup"])
-                                              * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg["steps"]))))
-    use_amp = device == "cuda"
+    opt, sched = adamw_cosine(model, cfg)
     losses, t_start, timed_tokens, segments = [], None, 0, []
     skip = min(10, cfg["steps"] // 4)  # steps left out of the rate (compilation, autotuning)
     steps = list(packed_batches(data, docs, cfg["T"], cfg["batch"], cfg["steps"], seed, "cpu"))  # built before timing
@@ -181,14 +178,7 @@ def train(attn, cfg, data, docs, device, dtype, seed=1234):
             if device == "cuda":
                 torch.cuda.synchronize()
             t_start = time.perf_counter()
-        with torch.autocast(device, dtype=dtype, enabled=use_amp):
-            loss = model(x, y, pos, doc_id, cu, max_len)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())  # .item() syncs: the rate includes the whole step
+        losses.append(train_step(model, opt, sched, device, dtype, x, y, pos, doc_id, cu, max_len))
         segments.append(len(cu) - 1)
         if step >= skip:
             timed_tokens += x.numel()
@@ -219,19 +209,8 @@ def plot(res, path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", help="run on the CPU under TRITON_INTERPRET=1 (fp32)")
-    ap.add_argument("--tiny", action="store_true", help="the tiny configuration (1 layer, T = 32, 2 steps)")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--out", default=RESULTS_DIR)
-    args = ap.parse_args()
-    device = "cpu" if args.cpu else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("train_llama.py needs a CUDA GPU (or --cpu --tiny for the interpreter)")
-    cfg = dict(TINY_CONFIG if args.tiny else GPU_CONFIG)
-    if args.steps:
-        cfg["steps"] = args.steps
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    args, device, cfg, dtype = training_cli(__doc__, "train_llama.py", GPU_CONFIG, TINY_CONFIG,
+                                            "the tiny configuration (1 layer, T = 32, 2 steps)")
     data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
     docs = documents(data, cfg["doc_median"], seed=7)
     meta = run_meta(torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)")
