@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .common import LOG2E, SHAPES, _check_head_dim, _check_qkv, _load_d, head_block, prune_for_device, tile_configs
+from .common import LOG2E, SHAPES, _check_dense_kv, _check_qkv, _load_d, head_block, prune_for_device, tile_configs
 from .forward import flash_attn_triton
 
 __all__ = ["flash_attention", "flash_attn_bwd_triton", "FlashAttentionFunction", "DEFAULT_DQ_MODE"]
@@ -406,14 +406,7 @@ _bwd_dq_tuned = {c: triton.autotune(configs=_configs(_SHAPES_BY_CLASS["dq"][c]),
 def _check_inputs(q, k, v, causal, align):
     _check_qkv(q, k, v, (4, 4, 4))
     B, H, N, d = q.shape
-    Hkv = k.shape[1]
-    if k.shape[0] != B or k.shape[3] != d:
-        raise ValueError(f"k must be [B, Hkv, Nk, d] = [{B}, Hkv, Nk, {d}], got {tuple(k.shape)}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if Hkv == 0 or H % Hkv != 0:
-        raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads (k is {tuple(k.shape)})")
-    _check_head_dim(d)
+    Hkv, _ = _check_dense_kv(q, k, v)
     if align not in ("top_left", "bottom_right"):
         raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
     if not isinstance(causal, bool):
