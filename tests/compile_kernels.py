@@ -319,22 +319,28 @@ def block_sparse_jobs(cc, dtypes):
     if cc in VARIANT_TARGETS:
         plan += [("fp16", 128, first, v) for v in variants[1:]]
         plan += [("fp16", 64, fits(64)[0], variants[0])]
+    plan = [(*p, False) for p in plan]  # (..., TMA)
     if cc in BF16_TARGETS:
-        plan += [("bf16", 128, first, variants[1])]
+        plan += [("bf16", 128, first, variants[1], False)]
+    if _use_tma(cc, "fp16"):  # the launcher's TMA path, in the configuration of the first tile with the most shared memory
+        same = [c for c in fits(128) if (c["BLOCK_M"], c["BLOCK_N"]) == (first["BLOCK_M"], first["BLOCK_N"])]
+        big = max(same, key=lambda c: kc.smem_estimate(kb.SMEM_KIND, c, 128, 2, (cc // 10, cc % 10)))
+        plan += [("fp16", 128, big, variants[0], True), ("bf16", 128, first, variants[1], True)]
     jobs = []
-    for dtype, d, cfg, (mask, mod) in plan:
-        def build(cfg=cfg, d=d, dtype=dtype, mask=mask, mod=mod):
+    for dtype, d, cfg, (mask, mod), tma in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, mask=mask, mod=mod, tma=tma):
             fn = kb._attn_fwd_block_sparse
             ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", KV_NUM="i32", KV_IDX="i32", FULL_NUM="i32",
                         FULL_IDX="i32", DOC="i32", SLOPES="fp32")
+            desc = f"tensordesc<{dtype}[{cfg['BLOCK_N']}, {d}]>" if tma else None
             sig, const, attrs = signature(fn, ptrs, ("sm_scale", "qk_scale", "cap"), dict(
-                HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MASK=mask, SCORE_MOD=mod),
-                ints16=("N", "Nk"))
+                desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MASK=mask,
+                SCORE_MOD=mod, USE_TMA=tma), ints16=("N", "Nk"))
             return fn, sig, const, attrs, cfg
         elt = 4 if dtype == "fp32" else 2
         meta = dict(d=d, estimate=kc.smem_estimate(kb.SMEM_KIND, cfg, d, elt, (cc // 10, cc % 10)))
-        jobs.append(Job("block-sparse forward", f"{dtype} d={d} MASK={mask} SCORE_MOD={mod} {_cfg_label(cfg)}",
-                        build, meta))
+        jobs.append(Job("block-sparse forward", f"{dtype} d={d} MASK={mask} SCORE_MOD={mod}{' TMA' if tma else ''} "
+                        f"{_cfg_label(cfg)}", build, meta))
     if cc >= 80:  # the backward: at block_sparse_tiles(backward=True)'s tile, bwd_configs' options (none fits sm_75)
         for dtype, d, (mask, mod) in [("fp16", 128, (2, 1)), ("fp16", 64, (1, 2))][:2 if cc in VARIANT_TARGETS else 1]:
             bm_, bn_ = kb._tiles_for(d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"], True)

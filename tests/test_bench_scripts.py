@@ -168,7 +168,12 @@ def test_bench_masks_writes_each_mask_twice_alike():
     N = 256
     rows = bench.cases(N, "cpu")
     assert len(rows) == 6 and len({r[0] for r in rows}) == 6  # no window as wide as N = 256
-    for name, spec, mod, mask_mod, score_mod in rows:
+    for name, spec, mod, mask_mod, score_mod, route in rows:
         bm = bs.build_block_mask_triton(spec, N, N, 32, 32)
         assert torch.equal(bm.classes(), L.tile_classes(mask_mod, N, N, 32, 32)), name
         assert (mod is None) == (score_mod is None), name
+        if route is not None:  # the dense kernels' arguments say the same mask: the library's window, causal
+            w = route.get("window_size", (-1, -1))
+            assert spec.kind == "window" and (spec.left, spec.right) == (w[0], 0) and route["causal"], name
+            assert (("softcap" in route) == isinstance(mod, bs.SoftCap)
+                    and ("alibi_slopes" in route) == isinstance(mod, bs.ALiBi)), name

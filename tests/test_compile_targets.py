@@ -210,9 +210,10 @@ def test_use_tma_true_before_sm90_is_a_clear_error(on_gpu, cc):
 
 @pytest.mark.parametrize("cc", TARGETS, ids=[f"sm_{cc}" for cc in TARGETS])
 def test_block_sparse_launcher_keeps_the_configs_that_fit(monkeypatch, cc):
-    """Lesson 12's block-sparse forward has no autotuner: the block mask fixes its tile, ``block_sparse_tiles``
-    picks the first configuration that fits, the launcher the first with that tile. Its configurations are pruned
-    with the dense forward's estimate (``block_sparse.SMEM_KIND``), which its compile jobs check."""
+    """Lesson 12's block-sparse forward: the block mask fixes its tile (``block_sparse_tiles`` picks the first
+    configuration that fits), the forward autotunes num_warps and num_stages over the configurations of that tile
+    that fit, the backward starts from the first. Its configurations are pruned with the dense forward's estimate
+    (``block_sparse.SMEM_KIND``), which its compile jobs check."""
     import helpers.kernels.block_sparse as kb
     monkeypatch.setattr(kb, "interpreting", lambda: False)
     monkeypatch.setattr(kb, "_device_limits", lambda device: (_capability(cc), TARGETS[cc]["smem"]))
@@ -222,12 +223,18 @@ def test_block_sparse_launcher_keeps_the_configs_that_fit(monkeypatch, cc):
         _check_pruning(kb.SMEM_KIND, d, cc, every, kept)
         tiles = kb.block_sparse_tiles(d, torch.float16, "cuda")
         assert tiles == (kept[0]["BLOCK_M"], kept[0]["BLOCK_N"])
-        assert kb._pick_config(*tiles, d, torch.float16, torch.device("cuda", 0)) == kept[0]
+        same_tile = [c for c in kept if (c["BLOCK_M"], c["BLOCK_N"]) == tiles]
+        assert kb._tile_configs(*tiles, d, torch.float16, torch.device("cuda", 0)) == same_tile
+        tuned = [c for c in kb._attn_fwd_block_sparse_tuned.configs]
+        q = SimpleNamespace(dtype=torch.float16, device=torch.device("cuda", 0))  # what the pruner reads
+        pruned = kb._prune_to_tile(tuned, dict(Q=q), BLOCK_M=tiles[0], BLOCK_N=tiles[1], HEAD_DIM=d)
+        assert sorted((c.num_warps, c.num_stages) for c in pruned) == \
+            sorted((c["num_warps"], c["num_stages"]) for c in same_tile)
         if cc < 80:  # the backward fits no tile on a T4: a clear error, not a compile failure
             with pytest.raises(ValueError, match="no tile of the block-sparse backward fits .* 64 KB"):
                 kb.block_sparse_tiles(d, torch.float16, "cuda", backward=True)
             continue
         bm, bn = kb.block_sparse_tiles(d, torch.float16, "cuda", backward=True)
-        cfg = kb._pick_config(bm, bn, d, torch.float16, torch.device("cuda", 0))
+        cfg = kb._tile_configs(bm, bn, d, torch.float16, torch.device("cuda", 0))[0]
         bwd = kb.bwd_configs(cfg, d, torch.float16, _capability(cc), TARGETS[cc]["smem"])
         assert max(kc.smem_estimate(k, bwd, d, 2, _capability(cc)) for k in ("dkdv", "dq")) <= TARGETS[cc]["smem"]

@@ -10,8 +10,10 @@ layout (lesson 12's ``build_block_mask``): per Q block the partial KV blocks (``
 and the full ones (``full_kv_num_blocks``, ``full_kv_indices``), plus the transposed lists per KV block
 (``q_num_blocks``, ``q_indices``, ...) that a backward's dK/dV kernel walks.
 
-One program per (Q block, b * h) visits the full KV blocks first (no mask), then the partial ones (mask applied),
-with the online softmax of the dense forward (``m_i``, ``l_i``, ``acc``, base 2). Score modifications are
+One program per (Q block, b * h), the last Q blocks launched first, visits the full KV blocks first (no mask),
+then the partial ones (mask applied), with the online softmax of the dense forward (``m_i``, ``l_i``, ``acc``,
+base 2); on sm_90 K and V come through TMA descriptors, and the launcher autotunes num_warps and num_stages for
+the tile the block mask fixes. Score modifications are
 ``tl.constexpr`` switches on the scaled score ``s = q k^T * sm_scale``, applied before the mask and the running
 max: softcap ``cap * tanh(s / cap)`` (Gemma 2) and ALiBi ``s - slope_h * |i + Nk - N - j|``. k, v may have fewer
 heads than q (grouped-query attention). A row that sees no key gets O = 0 and lse = -inf.
@@ -33,8 +35,8 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .common import (LN2, LOG2E, SHAPES, _check_dense_kv, _check_qkv, _device_limits, fitting_configs,
-                     smem_estimate, tile_configs)
+from .common import (LN2, LOG2E, SHAPES, TensorDescriptor, _check_dense_kv, _check_qkv, _device_limits,
+                     fitting_configs, smem_estimate, tile_configs, use_tma_for)
 
 __all__ = ["MaskSpec", "full_mask", "causal_mask", "sliding_window_mask", "document_mask", "prefix_lm_mask",
            "SoftCap", "ALiBi", "BlockSparseMask", "build_block_mask_triton", "block_sparse_tiles",
@@ -269,20 +271,28 @@ def _tanh(x):
 @triton.jit
 def _block_sparse_inner(
     acc, l_i, m_i, q,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M]; q [BLOCK_M, D]
-    k_ptrs, v_ptrs, stride_kn, stride_vn,  # tile of key/value rows at start_n = 0
+    k_ptrs, v_ptrs, stride_kn, stride_vn,  # pointer path: tile of key/value rows at start_n = 0
+    desc_k, desc_v, kv_row0,  # TMA path: 2-D descriptors over [B*Hkv*Nk, D]; this head's keys start at kv_row0
     idx_ptr, num,  # this Q block's list of KV blocks and how many to visit
     offs_m, offs_n, sm_scale, qk_scale, Nk, off, lo_w, hi_w, prefix, doc_q, doc_base, cap, slope,
     BLOCK_N: tl.constexpr,
     PARTIAL: tl.constexpr,  # False: full tiles, every pair visible, no mask; True: the mask applied
     MASK: tl.constexpr,
     SCORE_MOD: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     for t in range(0, num):
         start_n = tl.load(idx_ptr + t) * BLOCK_N
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n  # [BLOCK_N]
         # -- load one tile of keys and values (a full tile is never ragged: no bounds check) --
-        if PARTIAL:
+        if USE_TMA:
+            k = desc_k.load([kv_row0 + start_n, 0])  # [BLOCK_N, D]
+            v = desc_v.load([kv_row0 + start_n, 0])  # [BLOCK_N, D]
+            if PARTIAL:  # rows past Nk belong to the next head: masked scores, and zeroed values (p = 0 times a
+                # NaN or inf there would still be NaN)
+                v = tl.where((start_n + offs_n)[:, None] < Nk, v, 0.0)
+        elif PARTIAL:
             in_range = cols[:, None] < Nk  # [BLOCK_N, 1]
             k = tl.load(k_ptrs + start_n * stride_kn, mask=in_range, other=0.0)  # [BLOCK_N, D]
             v = tl.load(v_ptrs + start_n * stride_vn, mask=in_range, other=0.0)  # [BLOCK_N, D]
@@ -332,6 +342,7 @@ def _block_sparse_inner(
 @triton.jit
 def _attn_fwd_block_sparse(
     Q, K, V, O, LSE,
+    desc_k, desc_v,  # TMA descriptors over K, V viewed [B*Hkv*Nk, D] (USE_TMA), else unused
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, DOC, SLOPES,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -344,9 +355,11 @@ def _attn_fwd_block_sparse(
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,  # 0 none, 1 window (causal included), 2 document, 3 prefix-LM
     SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
+    USE_TMA: tl.constexpr,  # K, V tiles through the TMA (sm_90, d a power of two)
 ):
-    # grid = (Tq, B * H)
-    start_m = tl.program_id(0)
+    # grid = (Tq, B * H); the last Q blocks first: under causal, window and prefix-LM masks they have the most
+    # tiles, and a heavy block launched last would leave the GPU waiting on it
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H
     off_h = off_bh % H
@@ -362,6 +375,7 @@ def _attn_fwd_block_sparse(
     o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
     k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, D]
     v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, D]
+    kv_row0 = (off_b * Hkv + off_hkv) * Nk  # first row of this KV head in the [B*Hkv*Nk, D] view
 
     row_ok = offs_m < N  # [BLOCK_M]
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
@@ -386,14 +400,14 @@ def _attn_fwd_block_sparse(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running numerator
     acc, l_i, m_i = _block_sparse_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, full_idx, full_num,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, full_idx, full_num,
         offs_m, offs_n, sm_scale, qk_scale, Nk, off, lo_w, hi_w, prefix, doc_q, doc_base, cap, slope,
-        BLOCK_N, False, MASK, SCORE_MOD,
+        BLOCK_N, False, MASK, SCORE_MOD, USE_TMA,
     )
     acc, l_i, m_i = _block_sparse_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, kv_idx, kv_num,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_idx, kv_num,
         offs_m, offs_n, sm_scale, qk_scale, Nk, off, lo_w, hi_w, prefix, doc_q, doc_base, cap, slope,
-        BLOCK_N, True, MASK, SCORE_MOD,
+        BLOCK_N, True, MASK, SCORE_MOD, USE_TMA,
     )
 
     # epilogue: normalise; a row that saw no key gets O = 0, lse = -inf
@@ -565,9 +579,10 @@ def _bwd_dq_block_sparse(
 # ----------------------------------------------------------------------------
 
 _INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-# (BLOCK_M, BLOCK_N, num_warps, num_stages), best first: the block mask fixes the tile, the launcher then takes
-# the first of its configurations that fits the GPU (the dense forward's winners on an H200, and smaller ones)
-_SHAPES = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). The block mask fixes the tile: block_sparse_tiles gives the first tile
+# here that fits the GPU (the dense forward's winners on an H200, then smaller ones), and the forward autotunes
+# num_warps and num_stages over the entries of that tile that fit; the backward takes the first.
+_SHAPES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2)]
 SHAPES["block_sparse"] = lambda d: tile_configs(_SHAPES)
 # Shared memory: the dense forward's (Q on sm_90, num_stages K/V tiles in flight; the index and doc loads are
 # scalars and vectors). common.smem_estimate knows the kernel as "fwd".
@@ -608,17 +623,38 @@ def _tiles_for(d, dtype, cap, smem, backward):
                      f"{smem // 1024} KB of shared memory at head dim {d} (sm_{cap[0]}{cap[1]})")
 
 
-def _pick_config(bm, bn, d, dtype, device):
+def _tile_configs(bm, bn, d, dtype, device):
+    """The configurations of tile bm x bn that fit this GPU (the forward autotunes over them, the backward starts
+    from the first); the interpreter's one on the CPU."""
     if interpreting() or device.type != "cuda":
-        return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
+        return [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)]
     cap, smem = _device_limits(device)
-    for cfg in SHAPES["block_sparse"](d):
-        if (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (bm, bn):
-            elt = torch.empty((), dtype=dtype).element_size()
-            if smem_estimate(SMEM_KIND, cfg, d, elt, cap) <= smem:
-                return cfg
-    raise ValueError(f"no configuration of the block-sparse kernel runs {bm} x {bn} tiles at head dim {d} on this "
-                     f"GPU (sm_{cap[0]}{cap[1]}); build the block mask with block_sparse_tiles(d, dtype, device)")
+    try:
+        fits = launch_configs_block_sparse(d, dtype, cap, smem)
+    except ValueError:
+        fits = []
+    keep = [cfg for cfg in fits if (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (bm, bn)]
+    if not keep:
+        raise ValueError(f"no configuration of the block-sparse kernel runs {bm} x {bn} tiles at head dim {d} on "
+                         f"this GPU (sm_{cap[0]}{cap[1]}); build the block mask with block_sparse_tiles(d, dtype, "
+                         "device)")
+    return keep
+
+
+def _prune_to_tile(configs, nargs, **kwargs):
+    """triton.autotune's early_config_prune: the (num_warps, num_stages) of this launch's tile that fit the GPU."""
+    args = {**nargs, **kwargs}
+    q = args["Q"]
+    fits = {(c["num_warps"], c["num_stages"])
+            for c in _tile_configs(args["BLOCK_M"], args["BLOCK_N"], args["HEAD_DIM"], q.dtype, q.device)}
+    return [c for c in configs if (c.num_warps, c.num_stages) in fits]
+
+
+_attn_fwd_block_sparse_tuned = triton.autotune(
+    configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in sorted({(w, st) for *_, w, st in _SHAPES})],
+    key=["N", "Nk", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "MASK", "SCORE_MOD", "USE_TMA"],
+    prune_configs_by={"early_config_prune": _prune_to_tile},
+)(_attn_fwd_block_sparse)
 
 
 def bwd_configs(cfg, d, dtype, capability, smem):
@@ -698,31 +734,45 @@ def _prepare(q, k, v, block_mask, score_mod, sm_scale):
     doc = block_mask.doc
     if kind == _DOCUMENT and doc.shape[0] not in (1, B):
         raise ValueError(f"the document mask has {doc.shape[0]} sequences; q's batch is {B}")
-    cfg = _pick_config(block_mask.BLOCK_M, block_mask.BLOCK_N, d, q.dtype, q.device)
+    cfgs = _tile_configs(block_mask.BLOCK_M, block_mask.BLOCK_N, d, q.dtype, q.device)
+    use_tma = (not interpreting() and q.device.type == "cuda"
+               and use_tma_for(_device_limits(q.device)[0], q.dtype, d))
     return dict(B=B, H=H, Hkv=Hkv, N=N, Nk=Nk, d=d, Bm=Bm, Tq=Tq, Tk=Tk, MASK=kind, SCORE_MOD=mod, cap=cap,
                 slopes=slopes if slopes is not None else torch.empty(1, device=q.device),
                 stride_sb=stride_sb, sm_scale=float(sm_scale), qk_scale=float(sm_scale) * LOG2E.value,
                 lo_w=mask.left if mask.left >= 0 else big, hi_w=mask.right if mask.right >= 0 else big,
                 prefix=mask.prefix, doc=doc if doc is not None else block_mask.kv_num_blocks,
                 stride_doc_b=N if doc is not None and doc.shape[0] > 1 else 0,
-                stride_mb=Tq if Bm > 1 else 0, stride_mb_t=Tk if Bm > 1 else 0, cfg=cfg)
+                stride_mb=Tq if Bm > 1 else 0, stride_mb_t=Tk if Bm > 1 else 0, cfg=cfgs[0],
+                tune=len(cfgs) > 1, use_tma=use_tma)
 
 
 def _forward(q, k, v, block_mask, a):
     o = torch.empty_like(q)  # [B, H, N, d]
     lse = torch.empty((a["B"], a["H"], a["N"]), device=q.device, dtype=torch.float32)  # [B, H, N]
-    bm = block_mask
-    _attn_fwd_block_sparse[(a["Tq"], a["B"] * a["H"])](
-        q, k, v, o, lse,
+    bm, B, Hkv, Nk, d = block_mask, a["B"], a["Hkv"], a["Nk"], a["d"]
+    desc_k = desc_v = None
+    if a["use_tma"]:
+        desc_k = TensorDescriptor.from_tensor(k.view(B * Hkv * Nk, d), [bm.BLOCK_N, d])  # [B*Hkv*Nk, d]
+        desc_v = TensorDescriptor.from_tensor(v.view(B * Hkv * Nk, d), [bm.BLOCK_N, d])
+    args = (
+        q, k, v, o, lse, desc_k, desc_v,
         bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, a["doc"], a["slopes"],
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         a["stride_mb"], a["stride_doc_b"], a["stride_sb"],
-        a["H"], a["Hkv"], a["N"], a["Nk"], a["Tk"], a["lo_w"], a["hi_w"], a["prefix"], a["sm_scale"], a["qk_scale"],
-        a["cap"], HEAD_DIM=a["d"], MASK=a["MASK"], SCORE_MOD=a["SCORE_MOD"], **a["cfg"],
+        a["H"], Hkv, a["N"], Nk, a["Tk"], a["lo_w"], a["hi_w"], a["prefix"], a["sm_scale"], a["qk_scale"], a["cap"],
     )
+    meta = dict(HEAD_DIM=d, BLOCK_M=bm.BLOCK_M, BLOCK_N=bm.BLOCK_N, MASK=a["MASK"], SCORE_MOD=a["SCORE_MOD"],
+                USE_TMA=a["use_tma"])
+    grid = (a["Tq"], B * a["H"])
+    if a["tune"]:
+        _attn_fwd_block_sparse_tuned[grid](*args, **meta)
+    else:
+        cfg = a["cfg"]
+        _attn_fwd_block_sparse[grid](*args, **meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o, lse
 
 
