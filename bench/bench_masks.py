@@ -65,7 +65,7 @@ def cases(N, device):
     for n in (8, 64):
         ids = docs(n)
         out.append((f"{n} documents", bs.document_mask(ids, causal=True), None, L.document(ids, is_causal=True), None,
-                    None))
+                    "varlen"))
     out.append((f"prefix-LM {N // 4}", bs.prefix_lm_mask(N // 4), None, L.prefix_lm(N // 4), None, None))
     out.append(("softcap 50, causal", bs.causal_mask(), bs.SoftCap(50.0), L.causal(N, N), L.softcap(50.0),
                 dict(causal=True, softcap=50.0)))
@@ -80,15 +80,63 @@ TARGET_MASKS = ("window (1024, 0)", "window (4096, 0)", "8 documents", "64 docum
                 "ALiBi, causal")
 
 
-def course_fns(q, k, v, route, bm, mod):
-    """The course's path for a row: (forward () -> (O, lse), differentiable (q, k, v) -> O)."""
-    from helpers.kernels import block_sparse as bs
-    if route is not None:
-        from helpers.kernels.backward import flash_attention
-        from helpers.kernels.forward import flash_attn_triton
-        return (lambda: flash_attn_triton(q, k, v, **route)), (lambda a, b, c: flash_attention(a, b, c, **route))
-    return ((lambda: bs.flash_attn_block_sparse_triton(q, k, v, bm, score_mod=mod)),
-            (lambda a, b, c: bs.flash_attn_block_sparse(a, b, c, bm, mod)[0]))
+def doc_cu_seqlens(doc_ids, B):
+    """The packed-documents layout of ``B`` sequences sharing doc_ids [N]: (cu_seqlens int32 [docs * B + 1],
+    the longest document)."""
+    new = torch.ones_like(doc_ids, dtype=torch.bool)
+    new[1:] = doc_ids[1:] != doc_ids[:-1]
+    starts = new.nonzero().flatten()
+    lengths = torch.diff(torch.cat([starts, starts.new_tensor([doc_ids.numel()])])).repeat(B)
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    return cu, int(lengths.max())
+
+
+class CoursePath:
+    """The course's path for a row, in its own layout: ``forward() -> (O, lse)``; ``leaves()`` the inputs as leaf
+    tensors that require grad and ``differentiable(q, k, v) -> O`` for the backward; ``dense(t)`` any of its
+    [B, H, N, d]-shaped results (O, a gradient) in the dense layout and ``dense_lse`` its lse as [B, H, N].
+    route: the dense kernels' keyword arguments; "varlen" (packed documents: the FlashAttention library's way,
+    ``flash_attn_varlen_func``; the inputs packed [B * N, H, d] and the grid's block map built beforehand, not
+    timed, as a training step builds them once for every layer); None: the block-sparse kernels."""
+
+    def __init__(self, q, k, v, route, bm, mod, spec):
+        from helpers.kernels import block_sparse as bs
+        self.B, self.H, self.N, self.d = q.shape
+        self.route = route
+        if route == "varlen":
+            from helpers.kernels.varlen import flash_attn_varlen_triton, varlen_block_m, varlen_block_map
+            from helpers.kernels.varlen_backward import flash_attention_varlen
+            cu, longest = doc_cu_seqlens(spec.doc_ids, self.B)
+            self.inputs = tuple(self.packed(t) for t in (q, k, v))  # [B * N, H, d]
+            bmap = varlen_block_map(cu, varlen_block_m(self.d), self.B * self.N)
+            self.forward = lambda: flash_attn_varlen_triton(*self.inputs, cu, cu, longest, longest, causal=True,
+                                                            validate=False, block_map=bmap)
+            self.differentiable = lambda a, b, c: flash_attention_varlen(a, b, c, cu, cu, longest, longest,
+                                                                         causal=True)
+        elif route is not None:
+            from helpers.kernels.backward import flash_attention
+            from helpers.kernels.forward import flash_attn_triton
+            self.inputs = (q, k, v)
+            self.forward = lambda: flash_attn_triton(q, k, v, **route)
+            self.differentiable = lambda a, b, c: flash_attention(a, b, c, **route)
+        else:
+            self.inputs = (q, k, v)
+            self.forward = lambda: bs.flash_attn_block_sparse_triton(q, k, v, bm, score_mod=mod)
+            self.differentiable = lambda a, b, c: bs.flash_attn_block_sparse(a, b, c, bm, mod)[0]
+
+    def packed(self, t):
+        return t.transpose(1, 2).reshape(self.B * self.N, self.H, self.d).contiguous()
+
+    def dense(self, t):
+        if self.route != "varlen":
+            return t
+        return t.view(self.B, self.N, self.H, self.d).transpose(1, 2)
+
+    def dense_lse(self, lse):
+        return lse.view(self.H, self.B, self.N).transpose(0, 1) if self.route == "varlen" else lse
+
+    def leaves(self):
+        return tuple(t.detach().requires_grad_() for t in self.inputs)
 
 
 def dense_mask(mask_mod, N, device):
@@ -132,21 +180,23 @@ def check(q, k, v, mask_mod, score_mod, o, lse, o_flex):
     return {"pass": ok, "err": err, "flex_err": flex_err, "lse_err": lse_err}
 
 
-def backward(q, k, v, differentiable, fbm, fmod, flex):
+def backward(q, k, v, course, fbm, fmod, flex):
     """The course's and FlexAttention's backward on one dO: their gradients' largest difference relative to the
     largest gradient, and (when below 5e-2) the ms of each backward alone (the forward's graph kept)."""
+    mine_in = course.leaves()
+    o = course.differentiable(*mine_in)
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    o = differentiable(qg, kg, vg)
     o_f = flex(qg, kg, vg, score_mod=fmod, block_mask=fbm)
-    do = torch.randn_like(o)
-    mine = torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
-    theirs = torch.autograd.grad(o_f, (qg, kg, vg), do, retain_graph=True)
+    do_f = torch.randn_like(o_f)  # [B, H, N, d]
+    do = course.packed(do_f) if course.route == "varlen" else do_f
+    mine = [course.dense(g) for g in torch.autograd.grad(o, mine_in, do, retain_graph=True)]
+    theirs = torch.autograd.grad(o_f, (qg, kg, vg), do_f, retain_graph=True)
     rel = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
               for a, b in zip(mine, theirs))
     row = {"bwd_rel_diff": round(rel, 5)}
     if rel < 5e-2:
-        row["course_bwd_ms"] = bench_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg])
-        row["flex_bwd_ms"] = bench_ms(lambda: o_f.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg])
+        row["course_bwd_ms"] = bench_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=list(mine_in))
+        row["flex_bwd_ms"] = bench_ms(lambda: o_f.backward(do_f, retain_graph=True), grad_to_none=[qg, kg, vg])
     return row
 
 
@@ -231,7 +281,8 @@ def main(argv=None):
             for name, spec, mod, mask_mod, score_mod, route in cases(N, q.device):
                 if args.masks and name not in args.masks:
                     continue
-                row = {"mask": name, "N": N, "B": B, "d": d, "route": "dense" if route else "block-sparse",
+                row = {"mask": name, "N": N, "B": B, "d": d,
+                       "route": "dense" if isinstance(route, dict) else route or "block-sparse",
                        "tiles": list(tiles)}
                 log(f"d={d} N={N} {name}")
                 try:
@@ -241,14 +292,15 @@ def main(argv=None):
                     row["tiles_visited"] = round(float((bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum())
                                                        / bm.kv_indices[0, 0].numel()), 4)
                     fmod = score_mod.fn if score_mod is not None else None
-                    forward, differentiable = course_fns(q, k, v, route, bm, mod)
-                    o, lse = forward()
+                    course = CoursePath(q, k, v, route, bm, mod, spec)
+                    o, lse = course.forward()
+                    o, lse = course.dense(o), course.dense_lse(lse)
                     o_flex = flex(q, k, v, score_mod=fmod, block_mask=fbm)
                     row.update(check(q, k, v, mask_mod, score_mod, o, lse, o_flex))
                     if row["pass"]:
-                        row["course_ms"] = bench_ms(forward)
+                        row["course_ms"] = bench_ms(course.forward)
                         row["flex_ms"] = bench_ms(lambda: flex(q, k, v, score_mod=fmod, block_mask=fbm))
-                        if route is not None and mod is None:  # the same mask through the block index
+                        if route is not None and mod is None:  # the same mask through the block-sparse kernel
                             row["block_sparse_ms"] = bench_ms(lambda: bs.flash_attn_block_sparse_triton(q, k, v, bm))
                         row["sdpa_dense_ms"] = None
                         if score_mod is None and (N <= 16384 or name == "window (1024, 0)"):
@@ -257,7 +309,7 @@ def main(argv=None):
                                 q, k, v, attn_mask=dm))
                             del dm
                         if args.bwd:
-                            row.update(backward(q, k, v, differentiable, fbm, fmod, flex))
+                            row.update(backward(q, k, v, course, fbm, fmod, flex))
                 except Exception as e:  # noqa: BLE001 - recorded in the row
                     row["error"] = why(e, 300)
                     log(f"    {row['error']}")

@@ -172,6 +172,11 @@ def test_bench_masks_writes_each_mask_twice_alike():
         bm = bs.build_block_mask_triton(spec, N, N, 32, 32)
         assert torch.equal(bm.classes(), L.tile_classes(mask_mod, N, N, 32, 32)), name
         assert (mod is None) == (score_mod is None), name
+        if route == "varlen":  # packed documents: the same runs as cu_seqlens
+            cu, longest = bench.doc_cu_seqlens(spec.doc_ids, 2)
+            runs = torch.unique_consecutive(spec.doc_ids, return_counts=True)[1]
+            assert cu.tolist() == [0] + torch.cumsum(runs.repeat(2), 0).tolist() and longest == int(runs.max()), name
+            continue
         if route is not None:  # the dense kernels' arguments say the same mask: the library's window, causal
             w = route.get("window_size", (-1, -1))
             assert spec.kind == "window" and (spec.left, spec.right) == (w[0], 0) and route["causal"], name

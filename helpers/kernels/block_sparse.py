@@ -281,9 +281,13 @@ def _block_sparse_inner(
     SCORE_MOD: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
+    # Each block's index is loaded one iteration ahead and carried into the next (FlexAttention advances its
+    # pointers the same way): the K/V loads of tile t then wait on no load of iteration t, so Triton's pipeliner
+    # can issue them num_stages - 1 tiles early, as in the dense loop.
+    nxt = tl.load(idx_ptr, mask=num > 0, other=0)
     for t in range(0, num):
-        start_n = tl.load(idx_ptr + t) * BLOCK_N
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+        start_n = tl.multiple_of(nxt * BLOCK_N, BLOCK_N)
+        nxt = tl.load(idx_ptr + t + 1, mask=t + 1 < num, other=0)  # the next block's index
         cols = start_n + offs_n  # [BLOCK_N]
         # -- load one tile of keys and values (a full tile is never ragged: no bounds check) --
         if USE_TMA:
@@ -302,7 +306,7 @@ def _block_sparse_inner(
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         # -- the score modification, on the scaled score, before the mask and the running max --
         if SCORE_MOD == 0:
-            s = qk * qk_scale  # base 2
+            s = qk  # scaled below (base 2), where the scale can fold into one fused multiply-add
         else:
             s = qk * sm_scale  # natural units
             if SCORE_MOD == 1:
@@ -320,16 +324,23 @@ def _block_sparse_inner(
                 keep = keep & (doc_q[:, None] == doc_k[None, :])
             if MASK == 3:
                 keep = keep & ((cols[None, :] <= offs_m[:, None]) | (cols[None, :] < prefix))
+            if SCORE_MOD == 0:
+                s = s * qk_scale  # base 2
             s = tl.where(keep, s, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
             # A row with no key yet subtracts 0 (no NaN), but its running max stays -inf: were it set to 0, a
             # later key with a very negative score would give p = exp2(s - 0), which fp16 rounds or flushes to 0
             # in P V while l keeps it (FlashAttention's Check_inf also substitutes only in the subtraction).
             m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = tl.math.exp2(s - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
+        elif SCORE_MOD == 0:  # a full tile, raw scores: the max before scaling, then one FMA per score
+            m_ij = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # [BLOCK_M]
+            m_sub = m_ij
+            p = tl.math.exp2(s * qk_scale - m_ij[:, None])  # [BLOCK_M, BLOCK_N]
         else:
             m_ij = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
             m_sub = m_ij
-        p = tl.math.exp2(s - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
+            p = tl.math.exp2(s - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
         # -- online softmax: rescale what we had, add this tile --
         alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_M]
         l_i = l_i * alpha + tl.sum(p, 1)  # [BLOCK_M]
@@ -500,8 +511,10 @@ def _bwd_dkdv_block_sparse(
         else:
             num = tl.load(Q_NUM + row)
             idx = Q_IDX + row.to(tl.int64) * Tq
+        nxt = tl.load(idx, mask=num > 0, other=0)  # one block ahead, as in the forward
         for t in range(0, num):
-            offs_m = tl.load(idx + t) * BLOCK_M + offs_m0  # [BLOCK_M]
+            offs_m = nxt * BLOCK_M + offs_m0  # [BLOCK_M]
+            nxt = tl.load(idx + t + 1, mask=t + 1 < num, other=0)
             row_ok = offs_m < N
             q = tl.load(Q + q_off + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             do = tl.load(DO + q_off + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -562,8 +575,10 @@ def _bwd_dq_block_sparse(
         else:
             num = tl.load(KV_NUM + row)
             idx = KV_IDX + row.to(tl.int64) * Tk
+        nxt = tl.load(idx, mask=num > 0, other=0)  # one block ahead, as in the forward
         for t in range(0, num):
-            cols = tl.load(idx + t) * BLOCK_N + offs_n  # [BLOCK_N]
+            cols = nxt * BLOCK_N + offs_n  # [BLOCK_N]
+            nxt = tl.load(idx + t + 1, mask=t + 1 < num, other=0)
             col_ok = cols < Nk
             k = tl.load(K + kv_off + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             v = tl.load(V + kv_off + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
@@ -582,7 +597,8 @@ _INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). The block mask fixes the tile: block_sparse_tiles gives the first tile
 # here that fits the GPU (the dense forward's winners on an H200, then smaller ones), and the forward autotunes
 # num_warps and num_stages over the entries of that tile that fit; the backward takes the first.
-_SHAPES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2)]
+_SHAPES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3),
+           (64, 64, 4, 2)]
 SHAPES["block_sparse"] = lambda d: tile_configs(_SHAPES)
 # Shared memory: the dense forward's (Q on sm_90, num_stages K/V tiles in flight; the index and doc loads are
 # scalars and vectors). common.smem_estimate knows the kernel as "fwd".
