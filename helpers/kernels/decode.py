@@ -31,7 +31,9 @@ __all__ = ["flash_decode_triton"]
 # One kernel serves flash_decode_triton (k, v [B, Hkv, Nk, d], every sequence Nk keys, one
 # query token) and flash_attn_with_kvcache_triton in helpers/kernels/kvcache.py (a cache
 # [B, Nmax, Hkv, d] or pages [num_blocks, PAGE, Hkv, d] with a block table, a length per
-# sequence, Nq new tokens with a bottom-right causal mask).
+# sequence, Nq new tokens with a bottom-right causal mask or sliding window (WINDOW), softcap
+# and ALiBi (SCORE_MOD)). With a window the splits cut only the keys some row of the program
+# sees: a short window over a long cache costs its own tiles, not the cache's.
 #
 # grid = (S, B * Hkv * NUM_RB). A program owns one piece (split) of one sequence's keys
 # for one KV head, and all the query rows that read that head: the GROUP = H / Hkv query

@@ -83,12 +83,12 @@ def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_tab
     default, like flash_attn_with_kvcache (for Nq = 1 both see every cached key).
     window_size: (left, right), new token i at p = cache_seqlens[b] - Nq + i sees keys
     p - left <= j <= p + right (-1: unbounded; causal sets right = 0); splits cover only the keys
-    some row sees, so a short window over a long cache reads only the window. softcap: 0.0 off,
+    some row sees, so a short window over a long cache reads only the window's tiles. softcap: 0.0 off,
     > 0: s = softcap * tanh(s / softcap) on the scaled score s = q.k * sm_scale. alibi_slopes:
     float32 [H] or [B, H] on q's device, s -= slope[h] * |p - j|. Both come before the mask and
     the running max (softcap first). A row that sees no key gets O = 0. num_splits:
-    pieces each sequence's keys are cut into; None picks from B*Hkv, the capacity and the SM
-    count. sm_scale: 1/sqrt(d) by default. ``config`` (BLOCK_N, num_warps, num_stages) is for
+    pieces each sequence's keys are cut into; None picks from B*Hkv, the SM count and the capacity
+    (with a window's left >= 0, the at most left + Nq keys a sequence's rows see). sm_scale: 1/sqrt(d) by default. ``config`` (BLOCK_N, num_warps, num_stages) is for
     benchmarks.
 
     Contract on a GPU (checked on the CPU, where it costs no device sync): 0 <= cache_seqlens[b]
