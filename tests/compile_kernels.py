@@ -174,23 +174,33 @@ def fwd_jobs(cc, dtypes):
 
 def decode_jobs(cc, dtypes):
     from helpers.kernels import decode as kd
-    # (name, HEAD_MAJOR, PAGE, VARLEN, CAUSAL, DIRECT, group, nq): the kvcache variants and flash_decode_triton
-    variants = [("kvcache paged 16", False, 16, True, True, False, 4, 1),
-                ("flash_decode", True, 0, False, False, False, 4, 1),
-                ("kvcache contiguous, causal Nq=4 x group 8", False, 0, True, True, False, 8, 4),
-                ("kvcache paged 256, one split", False, 256, True, True, True, 4, 1)]
-    jobs = []
+    # (name, HEAD_MAJOR, PAGE, VARLEN, CAUSAL, DIRECT, group, nq, WINDOW, SCORE_MOD): the kvcache variants and
+    # flash_decode_triton
+    variants = [("kvcache paged 16", False, 16, True, True, False, 4, 1, False, 0),
+                ("flash_decode", True, 0, False, False, False, 4, 1, False, 0),
+                ("kvcache contiguous, causal Nq=4 x group 8", False, 0, True, True, False, 8, 4, False, 0),
+                ("kvcache paged 256, one split", False, 256, True, True, True, 4, 1, False, 0)]
     plan = _plan(cc, "decode", variants) + _padded(cc, "decode", variants[0])
-    for dtype, d, cfg, (name, head_major, page, varlen, causal, direct, group, nq) in plan:
+    # window_size, softcap, alibi_slopes (SCORE_MOD bits 1, 2): at the first configuration, on sm_90 and on sm_80
+    # (the other shared-memory budget); their tiles are the plain kernel's, so these prove the code paths compile
+    mods = {90: [("fp16", ("kvcache paged 16, window + softcap", False, 16, True, False, False, 4, 1, True, 1)),
+                 ("bf16", ("kvcache paged 16, window + softcap", False, 16, True, False, False, 4, 1, True, 1)),
+                 ("fp16", ("kvcache contiguous Nq=4 x group 8, ALiBi", False, 0, True, True, False, 8, 4, False, 2))],
+            80: [("fp16", ("kvcache paged 256, window + softcap + ALiBi", False, 256, True, False, False, 4, 1,
+                           True, 3))]}
+    plan += [(dtype, 128, _configs("decode", 128, dtype, cc)[0], v) for dtype, v in mods.get(cc, [])]
+    jobs = []
+    for dtype, d, cfg, (name, head_major, page, varlen, causal, direct, group, nq, window, score_mod) in plan:
         def build(cfg=cfg, d=d, dtype=dtype, head_major=head_major, page=page, varlen=varlen, causal=causal,
-                  direct=direct, group=group, nq=nq):
+                  direct=direct, group=group, nq=nq, window=window, score_mod=score_mod):
             fn = kd._decode_kernel
             block_h, num_rb = kd._decode_rows(group, nq)
             ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, O_part="fp32", LSE_part="fp32", Counter="i32",
-                        SeqLens="i32", BlockTable="i32")
-            sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
+                        SeqLens="i32", BlockTable="i32", Slopes="fp32")
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "softcap"), dict(
                 HKV=8, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
-                HEAD_DIM=d, BLOCK_D=_bd(d), HEAD_MAJOR=head_major, PAGE=page, VARLEN=varlen, CAUSAL=causal, DIRECT=direct),
+                HEAD_DIM=d, BLOCK_D=_bd(d), HEAD_MAJOR=head_major, PAGE=page, VARLEN=varlen, CAUSAL=causal, DIRECT=direct,
+                WINDOW=window, SCORE_MOD=score_mod),
                 ints16=("Nk", "max_blocks"))
             return fn, sig, const, attrs, cfg
         jobs.append(Job("decode", f"{dtype} d={d} {name} {_cfg_label(cfg)}", build,

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
+from .block_sparse import _tanh
 from .common import (LOG2E, SHAPES, _capturing, _cdiv, _check_dense_kv, _check_qkv, _device_limits, _load_d,
                      _next_pow2, _num_sms, _shapes, fitting_configs, head_block)
 
@@ -30,7 +31,9 @@ __all__ = ["flash_decode_triton"]
 # One kernel serves flash_decode_triton (k, v [B, Hkv, Nk, d], every sequence Nk keys, one
 # query token) and flash_attn_with_kvcache_triton in helpers/kernels/kvcache.py (a cache
 # [B, Nmax, Hkv, d] or pages [num_blocks, PAGE, Hkv, d] with a block table, a length per
-# sequence, Nq new tokens with a bottom-right causal mask).
+# sequence, Nq new tokens with a bottom-right causal mask or sliding window (WINDOW), softcap
+# and ALiBi (SCORE_MOD)). With a window the splits cut only the keys some row of the program
+# sees: a short window over a long cache costs its own tiles, not the cache's.
 #
 # grid = (S, B * Hkv * NUM_RB). A program owns one piece (split) of one sequence's keys
 # for one KV head, and all the query rows that read that head: the GROUP = H / Hkv query
@@ -67,15 +70,28 @@ def _decode_tail_offsets(
 
 
 @triton.jit
-def _decode_step(q, k, v, m_i, l_i, acc, qk_scale, cols, key_ok, row_end, MASKED: tl.constexpr):
+def _decode_step(q, k, v, m_i, l_i, acc, qk_scale, cols, key_ok, row_lo, row_end, sm_scale, softcap, slope, pos,
+                 MASKED: tl.constexpr, WINDOW: tl.constexpr, SCORE_MOD: tl.constexpr):
     """One key tile of the online softmax: returns the updated (m_i, l_i, acc), all base 2.
 
-    MASKED: key j of the tile counts for row r when key_ok[j] and cols[j] < row_end[r]; a row
-    that has seen no key yet keeps m_i = -inf and subtracts 0 (no NaN). Unmasked: every key
-    counts, and cols, key_ok, row_end are not read."""
+    MASKED: key j of the tile counts for row r when key_ok[j] and cols[j] < row_end[r] (and
+    cols[j] >= row_lo[r] with WINDOW); a row that has seen no key yet keeps m_i = -inf and
+    subtracts 0 (no NaN). Unmasked: every key counts, and key_ok, row_lo, row_end are not read.
+    SCORE_MOD (a bit set, on the scaled score s in natural units, before the mask and the max):
+    1 softcap: s = softcap * tanh(s / softcap); 2 ALiBi: s -= slope[r] * |pos[r] - cols[j]|."""
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+    if SCORE_MOD != 0:
+        s = qk * sm_scale  # [BLOCK_H, BLOCK_N] natural units
+        if SCORE_MOD & 1:
+            s = softcap * _tanh(s / softcap)
+        if SCORE_MOD & 2:
+            s = s - slope[:, None] * tl.abs(pos[:, None] - cols[None, :]).to(tl.float32)
+        qk = s * LOG2E  # base 2, the scale applied: stands for qk * qk_scale below
+        qk_scale = 1.0
     if MASKED:
         keep = key_ok[None, :] & (cols[None, :] < row_end[:, None])  # [BLOCK_H, BLOCK_N]
+        if WINDOW:
+            keep = keep & (cols[None, :] >= row_lo[:, None])
         qk = tl.where(keep, qk * qk_scale, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_H]; -inf for a row that has seen no key yet
         m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # subtract 0 there instead (no NaN)
@@ -99,6 +115,8 @@ def _decode_kernel(
     stride_kb,  # elements from one sequence (contiguous) or one page (paged) to the next
     max_blocks,  # the block table's row length
     num_splits, qk_scale,
+    sm_scale, softcap, Slopes, stride_sb,  # SCORE_MOD: the cap (1); ALiBi slopes f32 [H] or [B, H], batch stride H or 0 (2)
+    win_left, win_right,  # WINDOW: the row of position p sees keys p - win_left <= j <= p + win_right (both >= 0)
     HKV: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head (H // Hkv)
     NQ: tl.constexpr,  # new query tokens per sequence
@@ -112,6 +130,8 @@ def _decode_kernel(
     VARLEN: tl.constexpr,  # lengths from SeqLens (else every sequence has Nk keys)
     CAUSAL: tl.constexpr,  # bottom-right: query row i sees keys j <= len - NQ + i
     DIRECT: tl.constexpr,  # num_splits == 1: write O directly, no partials, no counter
+    WINDOW: tl.constexpr = False,  # a sliding window (win_left, win_right; CAUSAL is then False)
+    SCORE_MOD: tl.constexpr = 0,  # bits: 1 softcap, 2 ALiBi (3: softcap, then ALiBi)
 ):
     split = tl.program_id(0)
     pid = tl.program_id(1)  # (b, kv head, row block)
@@ -137,11 +157,23 @@ def _decode_kernel(
         seqlen = tl.minimum(tl.maximum(tl.load(SeqLens + off_b), 0), Nk)  # clamped: never read past the cache
     else:
         seqlen = Nk
-    if CAUSAL:
+    pos = seqlen - NQ + qi  # [BLOCK_H] position of each row's token in its sequence (bottom-right)
+    first_r = rb * BLOCK_H
+    last_r = tl.minimum(first_r + BLOCK_H, NQ * GROUP) - 1
+    row_lo = offs_r  # [BLOCK_H] first key each row sees (read with WINDOW only)
+    if WINDOW:
+        # row r sees keys row_lo[r] <= j < row_end[r]; both bounds grow with the row's token
+        row_lo = tl.maximum(pos - win_left, 0)  # [BLOCK_H]
+        row_end = tl.minimum(tl.maximum(pos + win_right + 1, 0), seqlen)  # [BLOCK_H] exclusive end per row
+        pos_first = seqlen - NQ + first_r // GROUP
+        pos_last = seqlen - NQ + last_r // GROUP
+        key_lo = tl.maximum(pos_first - win_left, 0)  # keys < key_lo: seen by no row of the tile
+        all_lo = tl.maximum(pos_last - win_left, 0)  # keys in [all_lo, all_end): seen by every row
+        all_end = tl.minimum(tl.maximum(pos_first + win_right + 1, 0), seqlen)
+        key_end = tl.minimum(tl.maximum(pos_last + win_right + 1, 0), seqlen)  # keys >= key_end: seen by none
+    elif CAUSAL:
         diag = seqlen - NQ + 1  # row i sees keys j < diag + i
         row_end = tl.minimum(tl.maximum(diag + qi, 0), seqlen)  # [BLOCK_H] exclusive end per row
-        first_r = rb * BLOCK_H
-        last_r = tl.minimum(first_r + BLOCK_H, NQ * GROUP) - 1
         all_end = tl.maximum(diag + first_r // GROUP, 0)  # keys < all_end: seen by every row of the tile
         key_end = tl.maximum(diag + last_r // GROUP, 0)  # keys >= key_end: seen by none
     else:
@@ -150,10 +182,26 @@ def _decode_kernel(
         key_end = seqlen
 
     # -- this split's keys [lo, hi): the sequence cut in num_splits pieces of whole tiles
-    keys_per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * keys_per_split
-    hi = tl.minimum(lo + keys_per_split, key_end)
-    full_hi = lo + tl.maximum(tl.minimum(hi, all_end) - lo, 0) // BLOCK_N * BLOCK_N  # unmasked tiles end here
+    if WINDOW:  # only the keys some row sees, from the tile holding key_lo (tiles start at multiples of BLOCK_N)
+        base = key_lo // BLOCK_N * BLOCK_N
+        keys_per_split = tl.cdiv(tl.cdiv(tl.maximum(key_end - base, 0), num_splits), BLOCK_N) * BLOCK_N
+        lo = base + split * keys_per_split
+        hi = tl.minimum(lo + keys_per_split, key_end)
+        # unmasked tiles [full_lo, full_hi): the first tile at or after all_lo, up to all_end
+        full_lo = tl.minimum(lo + tl.cdiv(tl.maximum(all_lo - lo, 0), BLOCK_N) * BLOCK_N, tl.maximum(hi, lo))
+    else:
+        keys_per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * keys_per_split
+        hi = tl.minimum(lo + keys_per_split, key_end)
+        full_lo = lo
+    full_hi = full_lo + tl.maximum(tl.minimum(hi, all_end) - full_lo, 0) // BLOCK_N * BLOCK_N  # unmasked tiles end here
+    masked_lo = full_hi  # masked tiles: [full_hi, hi), the ragged end and the causal band
+    if WINDOW:  # and [lo, full_lo), the window's lower edge: the one masked loop starts full_lo - lo keys early,
+        masked_lo = full_hi - (full_lo - lo)  # and maps those keys back to [lo, full_lo)
+
+    slope = tl.zeros([BLOCK_H], dtype=tl.float32)  # [BLOCK_H] ALiBi slope of each row's query head
+    if SCORE_MOD & 2:
+        slope = tl.load(Slopes + off_b * stride_sb + head, mask=row_ok, other=0.0)
 
     TOKEN_STRIDE: tl.constexpr = HEAD_DIM if HEAD_MAJOR else HKV * HEAD_DIM
     if PAGE == 0:
@@ -178,10 +226,10 @@ def _decode_kernel(
     if PAGE == 0:
         pages = 0
     elif BLOCK_N <= PAGE:  # one page per tile: a scalar
-        pages = tl.load(BlockTable + table_row + lo // PAGE, mask=lo < full_hi, other=0)
+        pages = tl.load(BlockTable + table_row + full_lo // PAGE, mask=full_lo < full_hi, other=0)
     else:  # several pages per tile: a page per key row
-        pages = tl.load(BlockTable + table_row + (lo + offs_n) // PAGE, mask=lo + offs_n < full_hi, other=0)
-    for start_n in range(lo, full_hi, BLOCK_N):  # tiles every row sees in full: no mask
+        pages = tl.load(BlockTable + table_row + (full_lo + offs_n) // PAGE, mask=full_lo + offs_n < full_hi, other=0)
+    for start_n in range(full_lo, full_hi, BLOCK_N):  # tiles every row sees in full: no mask
         start_n = tl.multiple_of(start_n, BLOCK_N)
         if PAGE == 0:
             offs = head_off + start_n.to(tl.int64) * TOKEN_STRIDE + tile  # scalar + [BLOCK_N, D]
@@ -196,9 +244,12 @@ def _decode_kernel(
             pages = tl.load(BlockTable + table_row + nxt // PAGE, mask=nxt < full_hi, other=0)
         k = _load_d(K + offs, d_ok, BLOCK_D != HEAD_DIM)  # [BLOCK_N, D]
         v = _load_d(V + offs, d_ok, BLOCK_D != HEAD_DIM)  # [BLOCK_N, D]
-        m_i, l_i, acc = _decode_step(q, k, v, m_i, l_i, acc, qk_scale, offs_n, offs_n, offs_n, MASKED=False)
+        m_i, l_i, acc = _decode_step(q, k, v, m_i, l_i, acc, qk_scale, start_n + offs_n, offs_n, offs_n, offs_n,
+                                     sm_scale, softcap, slope, pos, False, WINDOW, SCORE_MOD)
 
-    for start_n in range(full_hi, hi, BLOCK_N):  # the ragged end and the causal band: masked
+    for start_n in range(masked_lo, hi, BLOCK_N):  # the ragged end, the causal band, the window's edges: masked
+        if WINDOW:
+            start_n = tl.where(start_n < full_hi, start_n - (full_hi - full_lo), start_n)  # the lower edge
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n  # [BLOCK_N]
         key_ok = cols < hi  # [BLOCK_N]
@@ -206,7 +257,8 @@ def _decode_kernel(
                                     BLOCK_N, PAGE, TOKEN_STRIDE)  # [BLOCK_N, D]
         k = tl.load(K + offs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D]
         v = tl.load(V + offs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D]
-        m_i, l_i, acc = _decode_step(q, k, v, m_i, l_i, acc, qk_scale, cols, key_ok, row_end, MASKED=True)
+        m_i, l_i, acc = _decode_step(q, k, v, m_i, l_i, acc, qk_scale, cols, key_ok, row_lo, row_end,
+                                     sm_scale, softcap, slope, pos, True, WINDOW, SCORE_MOD)
 
     # -- this split's partial result; a split (or row) with no keys: O_s = 0, lse_s = -inf
     empty = l_i == 0.0
@@ -354,8 +406,8 @@ def _decode_rows(group, nq):
     return block_h, _cdiv(rows, block_h)
 
 
-def _decode_key(q, B, Hkv, Nk, num_splits, group, nq, d, page, causal):
-    return (q.device, q.dtype, B, Hkv, Nk, num_splits, group, nq, d, page, causal)
+def _decode_key(q, B, Hkv, Nk, num_splits, group, nq, d, page, causal, window=False, score_mod=0):
+    return (q.device, q.dtype, B, Hkv, Nk, num_splits, group, nq, d, page, causal, window, score_mod)
 
 
 def _check_num_splits(num_splits):
@@ -366,12 +418,23 @@ def _check_num_splits(num_splits):
 
 
 def _decode_launch(q, k, v, o, seqlens, block_table, *, B, Hkv, group, nq, d, Nk, stride_kb, max_blocks,
-                   head_major, page, causal, num_splits, sm_scale, config):
-    """Launch _decode_kernel once (validated inputs; shared by both wrappers); fills o."""
+                   head_major, page, causal, num_splits, sm_scale, config, window=(-1, -1), softcap=0.0,
+                   alibi_slopes=None):
+    """Launch _decode_kernel once (validated inputs; shared by both wrappers); fills o.
+
+    window (left, right), -1 unbounded, causal sets right = 0; softcap > 0 on; alibi_slopes
+    float32 contiguous [H] or [B, H]: the library's meaning, checked by the caller."""
     block_h, num_rb = _decode_rows(group, nq)
     programs = B * Hkv * num_rb
+    left, right = window
+    if causal:
+        right = 0
+    windowed = left >= 0 or right > 0  # else no bound, or the causal one alone (CAUSAL, as without a window)
+    causal = not windowed and right == 0
     if num_splits is None:
-        num_splits = _pick_num_splits(programs, Nk, _num_sms(q.device))
+        # a program's rows (tokens at p >= len - nq) see keys j >= p - left: at most left + nq of them
+        seen = min(Nk, left + nq) if left >= 0 else Nk
+        num_splits = _pick_num_splits(programs, seen, _num_sms(q.device))
     else:
         _check_num_splits(num_splits)
     direct = num_splits == 1
@@ -379,12 +442,20 @@ def _decode_launch(q, k, v, o, seqlens, block_table, *, B, Hkv, group, nq, d, Nk
         o_part = lse_part = counters = o
     else:
         o_part, lse_part, counters = _decode_workspace(q.device, programs, num_splits, block_h, head_block(d))
-    qk_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * LOG2E.value
+    sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
+    qk_scale = sm_scale * LOG2E.value
+    unbounded = Nk + nq  # further than any key from any row
+    win_left, win_right = (min(w, unbounded) if w >= 0 else unbounded for w in (left, right))
+    score_mod = (1 if softcap > 0 else 0) | (2 if alibi_slopes is not None else 0)
+    stride_sb = alibi_slopes.shape[-1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
     args = (q, k, v, o, o_part, lse_part, counters,
             o if seqlens is None else seqlens, o if block_table is None else block_table,
-            Nk, stride_kb, max_blocks, num_splits, qk_scale)
+            Nk, stride_kb, max_blocks, num_splits, qk_scale,
+            sm_scale, float(softcap) if softcap > 0 else 1.0, o if alibi_slopes is None else alibi_slopes, stride_sb,
+            win_left, win_right)
     meta = dict(HKV=Hkv, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=head_block(d),
-                HEAD_MAJOR=head_major, PAGE=page, VARLEN=seqlens is not None, CAUSAL=causal, DIRECT=direct)
+                HEAD_MAJOR=head_major, PAGE=page, VARLEN=seqlens is not None, CAUSAL=causal, DIRECT=direct,
+                WINDOW=windowed, SCORE_MOD=score_mod)
     grid = (num_splits, programs)
 
     def launch(cfg):
@@ -393,7 +464,7 @@ def _decode_launch(q, k, v, o, seqlens, block_table, *, B, Hkv, group, nq, d, Nk
     if config is None and interpreting():
         config = _INTERPRETER_DECODE_CONFIG
     if config is None:
-        key = _decode_key(q, B, Hkv, Nk, num_splits, group, nq, d, page, causal)
+        key = _decode_key(q, B, Hkv, Nk, num_splits, group, nq, d, page, causal, windowed, score_mod)
         config = _decode_choice.get(key)
         if config is None:
             # timing inside CUDA-graph capture is impossible: take the first shape there, untuned

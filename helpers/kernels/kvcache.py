@@ -1,8 +1,9 @@
 """Attention against a KV cache, contiguous or paged, in Triton (lesson 10).
 
 ``flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table=None,
-causal=False, num_splits=None, sm_scale=None) -> O`` takes the FlashAttention library's
-layout and meaning (``flash_attn_with_kvcache``, without its in-place cache update):
+causal=False, num_splits=None, sm_scale=None, *, window_size=(-1, -1), softcap=0.0,
+alibi_slopes=None) -> O`` takes the FlashAttention library's layout and meaning
+(``flash_attn_with_kvcache``, without its in-place cache update):
 
 * q ``[B, Nq, H, d]``: Nq new tokens per sequence (decode: Nq = 1; a short chunk: Nq <= 16 or so).
 * The cache, ``[B, Nmax, Hkv, d]`` (contiguous), or ``[num_blocks, block_size, Hkv, d]`` (paged)
@@ -12,6 +13,11 @@ layout and meaning (``flash_attn_with_kvcache``, without its in-place cache upda
 * causal (bottom-right, the library's convention; off by default, as in the library): new
   token i sees keys ``j <= cache_seqlens[b] - Nq + i``; not causal: all ``cache_seqlens[b]``
   keys. A row that sees no key gets O = 0.
+* window_size (left, right), bottom-right per sequence: new token i sits at position
+  ``p = cache_seqlens[b] - Nq + i`` and sees keys ``p - left <= j <= p + right``; -1 is
+  unbounded, causal sets right = 0.
+* softcap > 0: the scaled score s becomes ``softcap * tanh(s / softcap)`` (Gemma 2);
+  alibi_slopes float32 [H] or [B, H]: ``s -= slope * |p - j|``. Both before the mask.
 * GQA: query head h reads KV head ``h // (H // Hkv)``.
 
 The kernel is the decode kernel of helpers/kernels/decode.py (``_decode_kernel``): split-KV,
@@ -20,8 +26,11 @@ tile, the page looked up once per K/V tile (or per row when a page is smaller th
 the splits merged inside the same launch. Written for this course; figures in bench/NOTES.md.
 """
 
+import math
+
 import torch
 
+from .block_sparse import _check_window
 from .common import _check_head_dim, _check_qkv
 from .decode import _decode_launch
 
@@ -41,17 +50,45 @@ def _check_index_tensor(name, x, ndim, device):
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
 
 
+def _check_softcap(softcap):
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a number (0.0: off), got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0: off), got {softcap!r}")
+    return float(softcap)
+
+
+def _check_alibi_slopes(slopes, B, H, device):
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32:
+        what = str(slopes.dtype).replace("torch.", "") if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        raise TypeError(f"alibi_slopes must be a float32 torch.Tensor [H] or [B, H] (or None), got {what}")
+    if tuple(slopes.shape) not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes must be [H] = [{H}] or [B, H] = [{B}, {H}], got {tuple(slopes.shape)}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on q's device {device}, got {slopes.device}")
+    return slopes.contiguous()
+
+
 def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=False,
-                                   num_splits=None, sm_scale=None, *, config=None):
+                                   num_splits=None, sm_scale=None, *, window_size=(-1, -1), softcap=0.0,
+                                   alibi_slopes=None, config=None):
     """Attention of Nq new tokens per sequence against its cache: returns O [B, Nq, H, d] in q's dtype.
 
     q: [B, Nq, H, d]. k_cache, v_cache: [B, Nmax, Hkv, d], or with block_table (int32
     [B, max_blocks]) pages [num_blocks, block_size, Hkv, d], block_size a power of two >= 16.
     cache_seqlens: int32 [B] (or an int for all), tokens held per sequence, new ones included.
     causal: bottom-right (new token i sees keys j <= cache_seqlens[b] - Nq + i); False by
-    default, like flash_attn_with_kvcache (for Nq = 1 both see every cached key). num_splits:
-    pieces each sequence's keys are cut into; None picks from B*Hkv, the capacity and the SM
-    count. sm_scale: 1/sqrt(d) by default. ``config`` (BLOCK_N, num_warps, num_stages) is for
+    default, like flash_attn_with_kvcache (for Nq = 1 both see every cached key).
+    window_size: (left, right), new token i at p = cache_seqlens[b] - Nq + i sees keys
+    p - left <= j <= p + right (-1: unbounded; causal sets right = 0); splits cover only the keys
+    some row sees, so a short window over a long cache reads only the window's tiles. softcap: 0.0 off,
+    > 0: s = softcap * tanh(s / softcap) on the scaled score s = q.k * sm_scale. alibi_slopes:
+    float32 [H] or [B, H] on q's device, s -= slope[h] * |p - j|. Both come before the mask and
+    the running max (softcap first). A row that sees no key gets O = 0. num_splits:
+    pieces each sequence's keys are cut into; None picks from B*Hkv, the SM count and the capacity
+    (with a window's left >= 0, the at most left + Nq keys a sequence's rows see). sm_scale: 1/sqrt(d) by default. ``config`` (BLOCK_N, num_warps, num_stages) is for
     benchmarks.
 
     Contract on a GPU (checked on the CPU, where it costs no device sync): 0 <= cache_seqlens[b]
@@ -94,6 +131,9 @@ def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_tab
         raise ValueError(f"cache_seqlens must be [B] = [{B}], got {tuple(cache_seqlens.shape)}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
+    window_size = _check_window(window_size)
+    softcap = _check_softcap(softcap)
+    alibi_slopes = _check_alibi_slopes(alibi_slopes, B, H, q.device)
 
     if q.device.type == "cpu":  # free here: no device to wait for
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
@@ -116,4 +156,5 @@ def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_tab
         return o.zero_()
     return _decode_launch(q, k_cache, v_cache, o, cache_seqlens, block_table, B=B, Hkv=Hkv, group=H // Hkv,
                           nq=Nq, d=d, Nk=capacity, stride_kb=stride_kb, max_blocks=max_blocks, head_major=False,
-                          page=page, causal=causal, num_splits=num_splits, sm_scale=sm_scale, config=config)
+                          page=page, causal=causal, num_splits=num_splits, sm_scale=sm_scale, config=config,
+                          window=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
