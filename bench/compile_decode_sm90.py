@@ -26,7 +26,8 @@ from triton.compiler.compiler import ASTSource  # noqa: E402
 
 from helpers.kernels import decode as kd  # noqa: E402
 
-RUNTIME_INTS = ("Nk", "stride_kb", "max_blocks", "num_splits")
+RUNTIME_INTS = ("Nk", "stride_kb", "max_blocks", "num_splits", "win_left", "win_right", "stride_sb")
+RUNTIME_FLOATS = ("qk_scale", "sm_scale", "softcap")
 
 
 def compile_variant(dtype="fp16", page=0, head_major=False, varlen=True, causal=True, direct=False, block_n=128,
@@ -34,11 +35,11 @@ def compile_variant(dtype="fp16", page=0, head_major=False, varlen=True, causal=
     fn = kd._decode_kernel
     block_h, num_rb = kd._decode_rows(group, nq)
     ptrs = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "O_part": "fp32", "LSE_part": "fp32",
-            "Counter": "i32", "SeqLens": "i32", "BlockTable": "i32"}
-    sig = {n: ("*" + ptrs[n]) if n in ptrs else "i32" if n in RUNTIME_INTS else "fp32" if n == "qk_scale"
+            "Counter": "i32", "SeqLens": "i32", "BlockTable": "i32", "Slopes": "fp32"}
+    sig = {n: ("*" + ptrs[n]) if n in ptrs else "i32" if n in RUNTIME_INTS else "fp32" if n in RUNTIME_FLOATS
            else "constexpr" for n in fn.arg_names}
     const = dict(HKV=hkv, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_DIM=d, BLOCK_D=d,
-                 HEAD_MAJOR=head_major, PAGE=page, VARLEN=varlen, CAUSAL=causal, DIRECT=direct)
+                 HEAD_MAJOR=head_major, PAGE=page, VARLEN=varlen, CAUSAL=causal, DIRECT=direct, WINDOW=False, SCORE_MOD=0)
     # what Triton's launcher would specialise: 16-byte aligned pointers, stride_kb a multiple of 16
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(ptrs) + ["stride_kb"]}
     return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),

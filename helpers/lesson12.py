@@ -339,22 +339,25 @@ MASKS_RESULTS = RESULTS_DIR / "masks_h200.json"        # bench/bench_masks.py on
 
 
 def show_masks_results(path=MASKS_RESULTS) -> None:
-    """Print the recorded mask figures (bench/bench_masks.py: course vs FlexAttention vs SDPA with a dense mask),
-    or say that none are recorded."""
+    """Print the recorded mask figures (bench/bench_masks.py: the course vs FlexAttention vs SDPA with a dense mask,
+    forward and backward), or say that none are recorded."""
     res = load_json(path)
     if res is None:
         print(f"No figures are recorded yet: {path.name} is missing (`python3 bench/bench_masks.py` on a CUDA GPU "
               "writes it).")
         return
     meta = res.get("meta", {})
-    print(f"Recorded: {results_label(meta)}, {meta.get('dtype', '?')}, d = {meta.get('d', '?')}, forward; ms, "
-          "and how many times longer the others take")
-    print(f"{'mask':>22} {'N':>6} {'course':>8} {'flex':>8} {'x flex':>7} {'sdpa':>8} {'x sdpa':>7}")
+    print(f"Recorded: {results_label(meta)}, {meta.get('dtype', '?')}, H = {meta.get('H', '?')}; ms, and how many "
+          "times longer the others take (x); route: the course's kernel for that mask")
+    print(f"{'mask':>24} {'d':>4} {'N':>6} {'route':>12} {'course':>8} {'flex':>8} {'x':>6} {'sdpa':>8} {'x':>6}"
+          f" {'bwd':>8} {'flex bwd':>8} {'x':>6}")
+    cell = lambda x: f"{x:8.3f}" if x else f"{'-':>8}"  # noqa: E731
+    ratio = lambda x, c: f"{x / c:6.2f}" if c and x else f"{'-':>6}"  # noqa: E731
     for r in res.get("rows", []):
-        c, f, s = r.get("course_ms"), r.get("flex_ms"), r.get("sdpa_dense_ms")
-        cell = lambda x: f"{x:8.3f}" if x else f"{'-':>8}"  # noqa: E731
-        ratio = lambda x: f"{x / c:7.2f}" if c and x else f"{'-':>7}"  # noqa: E731
-        print(f"{r['mask']:>22} {r['N']:>6} {cell(c)} {cell(f)} {ratio(f)} {cell(s)} {ratio(s)}")
+        c, f, sd = r.get("course_ms"), r.get("flex_ms"), r.get("sdpa_dense_ms")
+        cb, fb = r.get("course_bwd_ms"), r.get("flex_bwd_ms")
+        print(f"{r['mask']:>24} {r.get('d', '-'):>4} {r.get('N', '-'):>6} {r.get('route', '-'):>12} {cell(c)} "
+              f"{cell(f)} {ratio(f, c)} {cell(sd)} {ratio(sd, c)} {cell(cb)} {cell(fb)} {ratio(fb, cb)}")
 
 
 def gpu_cases(N: int, device, H: int = 4):
