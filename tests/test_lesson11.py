@@ -388,7 +388,8 @@ def _gluon_module():
     ("3d q", {}, ValueError, "q must be [B, H, N, d]"),
     ("float32", {}, TypeError, "bfloat16 or float16"),
     ("mixed dtypes", {}, TypeError, "must share a dtype"),
-    ("other heads", {}, ValueError, "no GQA"),
+    ("3 KV heads for 2", {}, ValueError, "H = 2 query heads must be a multiple of Hkv = 3 KV heads"),
+    ("other batch", {}, ValueError, "k must be [B, Hkv, Nk, d] = [1, Hkv, Nk, 64]"),
     ("v shape", {}, ValueError, "v must have k's shape"),
     ("d = 32", {}, ValueError, "must be one of 64, 128"),
     ("Nk = 0", {}, ValueError, "at least one query and one key"),
@@ -402,7 +403,9 @@ def test_gluon_forward_says_what_is_wrong_before_any_gpu_work(args, kwargs, err,
     bf = dict(dtype=torch.bfloat16)
     q, k, v = (torch.zeros(1, 2, 8, 64, **bf) for _ in range(3))
     inputs = {"list q": ([[0.0]], k, v), "3d q": (q[0], k, v), "float32": (q.float(), k.float(), v.float()),
-              "mixed dtypes": (q, k.half(), v), "other heads": (q, torch.zeros(1, 1, 8, 64, **bf), v),
+              "mixed dtypes": (q, k.half(), v),
+              "3 KV heads for 2": (q, torch.zeros(1, 3, 8, 64, **bf), torch.zeros(1, 3, 8, 64, **bf)),
+              "other batch": (q, torch.zeros(2, 2, 8, 64, **bf), torch.zeros(2, 2, 8, 64, **bf)),
               "v shape": (q, k, torch.zeros(1, 2, 9, 64, **bf)),
               "d = 32": tuple(torch.zeros(1, 2, 8, 32, **bf) for _ in range(3)),
               "Nk = 0": (q, torch.zeros(1, 2, 0, 64, **bf), torch.zeros(1, 2, 0, 64, **bf)), "cpu": (q, k, v)}[args]

@@ -7,7 +7,7 @@ mbarrier (``full[s]``): tile j waits on stage ``j % NUM_STAGES`` with phase pari
 rule lesson 11's exercise and simulator teach. The same warps issue the loads and compute on them (no warp
 specialisation yet), so a stage is refilled only after both GEMMs that read it have completed; the loads of the
 next ``NUM_STAGES - 1`` tiles are in flight while a tile is computed. Non-causal, d = 64 or 128, bf16 or fp16,
-ragged N and Nk. Returns ``(O, lse)`` like ``flash_attn_triton`` (lse in natural log, float32).
+ragged N and Nk, GQA (k, v may have fewer heads than q: the KV descriptor's row offset is the KV head's). Returns ``(O, lse)`` like ``flash_attn_triton`` (lse in natural log, float32).
 
 Three more variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
 * ``"ws"``, ``_attn_fwd_ws``: FA3's split with ``gl.warp_specialize``, a producer warp that only issues TMA loads and
@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .common import LN2, LOG2E
+from .common import LN2, LOG2E, _check_dense_kv
 
 __all__ = ["gluon_forward", "gluon_forward_selftest", "compile_for_sm90", "BLOCKS", "PP_BLOCKS", "VARIANTS"]
 
@@ -55,14 +55,14 @@ BLOCKS = {64: (128, 128, 2), 128: (128, 64, 2)}
 
 
 @gluon.jit
-def _attn_fwd(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
+def _attn_fwd(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, qk_scale,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     start_m = gl.program_id(0)                                   # which query block
     off_bh = gl.program_id(1)                                    # which (batch, head)
     q_row = off_bh * N + start_m * BLOCK_M                       # first row of this block in q viewed [B*H*N, d]
-    kv_row = off_bh * Nk                                         # first key of this head in k viewed [B*H*Nk, d]
+    kv_row = (off_bh // group) * Nk                              # first key of its KV head in k viewed [B*Hkv*Nk, d]
 
     # wgmma layouts: S = Q K^T is [BLOCK_M, BLOCK_N], acc = P V is [BLOCK_M, HEAD_DIM]; one warp per 16 rows
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -191,14 +191,14 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, n_tiles, Nk, qk_sca
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
+def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     start_m = gl.program_id(0)
     off_bh = gl.program_id(1)
     q_row = off_bh * N + start_m * BLOCK_M
-    kv_row = off_bh * Nk
+    kv_row = (off_bh // group) * Nk                              # its KV head (GQA): b * Hkv + h // group
     n_tiles = gl.cdiv(Nk, BLOCK_N)
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -334,14 +334,14 @@ def _pp_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_b
 
 
 @gluon.jit
-def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
+def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     m_row = gl.program_id(0) * (2 * BLOCK_M)                     # first row of this CTA's 2 x BLOCK_M query rows
     off_bh = gl.program_id(1)
     q_row = off_bh * N + m_row                                   # in q viewed [B*H*N, d]
-    kv_row = off_bh * Nk
+    kv_row = (off_bh // group) * Nk                              # its KV head (GQA): b * Hkv + h // group
     n_tiles = gl.cdiv(Nk, BLOCK_N)
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -410,7 +410,8 @@ def _variant(variant, warp_specialize):
 
 def _check_inputs(q, k, v, sm_scale):
     """What gluon_forward needs, checked on the host before any GPU work: three tensors, q [B, H, N, d], k and v
-    [B, H, Nk, d] (no GQA here), one dtype, bf16 or fp16, d = 64 or 128, N and Nk >= 1, on one sm_90 GPU."""
+    [B, Hkv, Nk, d] with H a multiple of Hkv (GQA), one dtype, bf16 or fp16, d = 64 or 128, N and Nk >= 1, on one
+    sm_90 GPU."""
     import torch
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -424,11 +425,10 @@ def _check_inputs(q, k, v, sm_scale):
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"gluon_forward: q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     B, H, N, d = q.shape
-    if k.shape[:2] != (B, H) or k.shape[3] != d:
-        raise ValueError(f"gluon_forward: k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}] (no GQA in this kernel), "
-                         f"got {tuple(k.shape)}")
-    if v.shape != k.shape:
-        raise ValueError(f"gluon_forward: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    try:                                                         # k, v [B, Hkv, Nk, d], H % Hkv == 0: the course's check
+        _check_dense_kv(q, k, v)
+    except ValueError as e:
+        raise ValueError(f"gluon_forward: {e}") from None
     if d not in BLOCKS:
         raise ValueError(f"gluon_forward: head dimension d must be one of {', '.join(map(str, sorted(BLOCKS)))}; "
                          f"got {d}")
@@ -449,7 +449,8 @@ def _check_inputs(q, k, v, sm_scale):
 
 
 def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None):
-    """(O, lse) of non-causal attention: q ``[B, H, N, d]``, k, v ``[B, H, Nk, d]`` on an sm_90 GPU, bf16 or fp16,
+    """(O, lse) of non-causal attention: q ``[B, H, N, d]``, k, v ``[B, Hkv, Nk, d]`` (H a multiple of Hkv: query
+    head h reads KV head h // (H // Hkv)) on an sm_90 GPU, bf16 or fp16,
     d = 64 or 128. O has q's dtype, lse is float32 in natural log. ``variant`` (``VARIANTS``): ``"one"`` (default),
     ``"ws"`` (FA3's split: a producer warp that only loads and the compute warps, handing stages over through
     full/empty barriers; ``warp_specialize=True`` says the same), ``"overlap"`` (a producer warp and two consumer
@@ -461,11 +462,11 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None):
     _check_inputs(q, k, v, sm_scale)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, H, N, d = q.shape
-    Nk = k.shape[2]
+    Hkv, Nk = k.shape[1], k.shape[2]
     kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, rows_per_cta, num_warps = _launch_spec(variant, d)
     q2 = q.contiguous().view(B * H * N, d)                       # [B*H*N, d]
-    k2 = k.contiguous().view(B * H * Nk, d)                      # [B*H*Nk, d]
-    v2 = v.contiguous().view(B * H * Nk, d)
+    k2 = k.contiguous().view(B * Hkv * Nk, d)                    # [B*Hkv*Nk, d]
+    v2 = v.contiguous().view(B * Hkv * Nk, d)
     el = _gl_dtype(q.dtype)
     q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, d], el)
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], el)
@@ -476,7 +477,7 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None):
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
     qk_scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * LOG2E.value
     grid = (triton.cdiv(N, rows_per_cta), B * H)
-    kernel[grid](q_desc, k_desc, v_desc, o, lse, N, Nk, qk_scale,
+    kernel[grid](q_desc, k_desc, v_desc, o, lse, N, Nk, H // Hkv, qk_scale,
                  HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, **extra,
                  num_warps=num_warps)
     return o, lse
@@ -494,7 +495,7 @@ def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None):
     sig = {"q_desc": f"tensordesc<{dtype}[{BLOCK_M}, {d}],{q_layout!r}>",
            "k_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
            "v_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
-           "O": f"*{dtype}", "LSE": "*fp32", "N": "i32", "Nk": "i32", "qk_scale": "fp32",
+           "O": f"*{dtype}", "LSE": "*fp32", "N": "i32", "Nk": "i32", "group": "i32", "qk_scale": "fp32",
            "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr",
            **{name: "constexpr" for name in extra}, "num_warps": "constexpr"}
     const = {"HEAD_DIM": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, **extra,
