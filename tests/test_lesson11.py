@@ -332,10 +332,10 @@ def _kernel_waits(fn_name):
 def test_the_warp_specialised_kernels_waits_follow_the_simulated_rule():
     """The Gluon kernel cannot run here, but its barrier schedule can: its producer's and consumer's parity
     expressions, as written in the kernel, run through the simulator for many ring sizes and tile counts."""
-    prod, cons = _kernel_waits("_ws_producer"), _kernel_waits("_ws_consumer")
+    prod, cons = _kernel_waits("_ws_producer"), _kernel_waits("_tiles_sync")   # "ws"'s consumer runs _tiles_sync
     assert set(prod) == {"empty"} and set(cons) == {"full"}
-    single = _kernel_waits("_attn_fwd")
-    assert set(single) == {"full"}
+    single = _kernel_waits("_tiles_sync")                 # so does "one" (REFILL: it refills the stages itself)
+    assert set(single) == {"full"} and not _kernel_waits("_attn_fwd") and not _kernel_waits("_ws_consumer")
 
     def kernel_schedule(num_tiles, num_stages, num_consumers):
         producer = []
@@ -357,8 +357,10 @@ def test_the_warp_specialised_kernels_waits_follow_the_simulated_rule():
 def test_the_pingpong_kernels_waits_follow_the_simulated_rule():
     """_attn_fwd_pp: its producer and both consumer warpgroups wait with the rule's parities (two consumers, a
     stage freed only after both released it), and each warpgroup's k-th turn waits parity k % 2."""
-    prod, cons = _kernel_waits("_pp_producer"), _kernel_waits("_pp_consumer")
+    prod, cons = _kernel_waits("_pp_producer"), _kernel_waits("_pp_tiles")        # tiles 1.. in _pp_tiles
     assert set(prod) == {"empty"} and set(cons) == {"full", "turn"}
+    tile0 = _kernel_waits("_pp_consumer")                 # tile 0, peeled (no P V before it), waits parity 0 on both
+    assert set(tile0) == {"full", "turn"} and tile0["full"](0, 3) == cons["full"](0, 3) == 0 == tile0["turn"](0, 3)
 
     def kernel_schedule(num_tiles, num_stages, num_consumers):
         out = {"producer": [op for j in range(num_tiles) for op in

@@ -6,8 +6,18 @@ once with the TMA, then streams K_j, V_j through a ring of ``NUM_STAGES`` shared
 mbarrier (``full[s]``): tile j waits on stage ``j % NUM_STAGES`` with phase parity ``(j // NUM_STAGES) % 2``, the
 rule lesson 11's exercise and simulator teach. The same warps issue the loads and compute on them (no warp
 specialisation yet), so a stage is refilled only after both GEMMs that read it have completed; the loads of the
-next ``NUM_STAGES - 1`` tiles are in flight while a tile is computed. Non-causal, d = 64 or 128, bf16 or fp16,
-ragged N and Nk, GQA (k, v may have fewer heads than q: the KV descriptor's row offset is the KV head's). Returns ``(O, lse)`` like ``flash_attn_triton`` (lse in natural log, float32).
+next ``NUM_STAGES - 1`` tiles are in flight while a tile is computed. d = 64 or 128, bf16 or fp16, ragged N and Nk,
+GQA (k, v may have fewer heads than q: the KV descriptor's row offset is the KV head's). Returns ``(O, lse)`` like
+``flash_attn_triton`` (lse in natural log, float32).
+
+Causal (``causal=True``, ``align`` "top_left" or "bottom_right", ``flash_attn_triton``'s rule: row i sees key j when
+j <= i + diag): a program visits key tiles only up to its last row's diagonal (``_n_tiles``), the tiles every row sees
+in full go through the loop with no mask, and only the tiles on the diagonal band and the ragged last tile are
+masked, with ``where`` on the S tile in registers (``_n_free``, ``_softmax_tile``; the ``CAUSAL`` and ``MASK``
+constexprs). The grid is (B·H, query blocks) read backwards, so the heaviest query blocks launch first. Where a
+producer and consumers share the ring, the kernel computes ``n_tiles`` once per program and hands the same value to
+each partition: the barriers' phase rule is unchanged, only the number of laps differs between programs. A row that
+sees no key gets O = 0 and lse = -inf.
 
 Three more variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
 * ``"ws"``, ``_attn_fwd_ws``: FA3's split with ``gl.warp_specialize``, a producer warp that only issues TMA loads and
@@ -19,18 +29,20 @@ Three more variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
   intra-warpgroup overlap, Algorithm 2). ``"pp"`` adds ping-pong: the warpgroups take turns to issue their GEMMs
   (two mbarriers, ``turn``; FA3 uses named barriers), so one's softmax runs under the other's GEMMs.
 
-Measured on an H200 (2026-12-01, ``bench/results/gluon_h200.json``): ``"one"`` and ``"ws"`` correct in 20 of 20
-harsh cases each; ``"one"`` 0.91-1.03x the course's Triton forward, ``"ws"`` 0.74-0.80x. ``"overlap"`` and ``"pp"``
-compile for sm_90 (Triton 3.6 and 3.9) but have not run natively yet: no claim about their speed is made here.
+Measured on an H200 (2026-12-01, non-causal, before causal and GQA came in; ``bench/results/gluon_h200.json`` and
+``gluon_h200_variants.json``): ``"one"`` and ``"ws"`` correct in 20 of 20 harsh cases each, ``"one"`` 0.91-1.03x the
+course's Triton forward, ``"ws"`` 0.74-0.80x; ``"overlap"`` and ``"pp"`` correct in 20 of 20 each, at d = 128,
+N = 16384 ``"pp"`` 531 TFLOP/s bf16 (the Triton forward 532, cuDNN 570). The causal and GQA paths compile for sm_90
+(Triton 3.6 and 3.9) and have not run natively yet: no claim about their speed or correctness is made here.
 Written against Gluon as shipped in Triton 3.6 (``triton.experimental.gluon``; it also compiles under 3.9, where the
 TMA load is named ``async_load``). Nothing here runs under Triton's interpreter.
 
-On an sm_90 GPU: ``python -m helpers.kernels.gluon_forward [--variant one|ws|overlap|pp]``
+On an sm_90 GPU: ``python -m helpers.kernels.gluon_forward [--variant one|ws|overlap|pp] [--causal]``
 (``gluon_forward_selftest()``, one line per case; ``--warp-specialize`` is ``--variant ws``), and
 ``bench/bench_gluon.py --variant ...`` for the timings. ``gluon_forward`` checks its inputs on the host first
 (TypeError/ValueError; a CPU tensor: "needs an sm_90 GPU").
-Without one: ``compile_for_sm90(d, dtype, variant=...)`` compiles a variant for sm_90 (TTGIR, PTX, a cubin through
-the ptxas in Triton's wheel; no GPU needed) and returns the PTX.
+Without one: ``compile_for_sm90(d, dtype, variant=..., causal=...)`` compiles a variant for sm_90 (TTGIR, PTX, a
+cubin through the ptxas in Triton's wheel; no GPU needed) and returns the PTX.
 """
 from __future__ import annotations
 
@@ -54,15 +66,126 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 BLOCKS = {64: (128, 128, 2), 128: (128, 64, 2)}
 
 
+# ------------------------------------------------------------------ pieces every variant shares
 @gluon.jit
-def _attn_fwd(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, qk_scale,
+def _program_ids(CAUSAL: gl.constexpr):
+    """(query block, batch·head) of this program. Non-causal: grid (query blocks, B*H). Causal: grid (B*H, query
+    blocks) read backwards, so that every head's last query blocks, which visit the most key tiles, launch first and
+    the light ones fill in behind them."""
+    if CAUSAL:
+        start_m = gl.num_programs(1) - 1 - gl.program_id(1)
+        off_bh = gl.program_id(0)
+    else:
+        start_m = gl.program_id(0)
+        off_bh = gl.program_id(1)
+    return start_m, off_bh
+
+
+@gluon.jit
+def _n_tiles(last_row, Nk, diag, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """How many key tiles a program visits: all of them, or (causal) up to its last row's diagonal (row i sees key c
+    when c <= i + diag). At least one: a program whose rows see nothing masks all of tile 0. The producer and the
+    consumers must agree on this number or the ring's barriers deadlock: the kernel computes it once, from the
+    program's last row (below N), and hands the same value to every partition."""
+    n_keys = Nk
+    if CAUSAL:
+        n_keys = gl.minimum(n_keys, last_row + diag + 1)         # keys the last row sees
+    return gl.cdiv(gl.maximum(n_keys, 1), BLOCK_N)
+
+
+@gluon.jit
+def _n_free(first_row, Nk, diag, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Tiles [0, this) need no mask: all their keys are < Nk and (causal) on or left of first_row's diagonal, so of
+    every row's. The tiles after them, up to n_tiles, are the masked ones: the diagonal band and the ragged last."""
+    n = Nk // BLOCK_N
+    if CAUSAL:
+        n = gl.minimum(n, gl.maximum(first_row + diag + 1, 0) // BLOCK_N)
+    return n
+
+
+@gluon.jit
+def _softmax_tile(qk, m_i, l_i, j, offs_m, offs_n, Nk, diag, qk_scale,
+                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """The online softmax of key tile j. qk = Q K_j^T [BLOCK_M, BLOCK_N] fp32, unscaled; m_i, l_i [BLOCK_M]; offs_m
+    [BLOCK_M] the rows' indices in the sequence, offs_n [BLOCK_N] 0..BLOCK_N-1. With MASK, key c of row i counts
+    when c < Nk and (causal) c <= i + diag; the others become -inf in registers. Returns (p, alpha, m_new, l_new)."""
+    if MASK:
+        cols = j * BLOCK_N + offs_n                              # [BLOCK_N] key indices
+        keep = (cols < Nk)[None, :]                              # keys past Nk: the next head's, or TMA's zeros
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None] + diag)      # [BLOCK_M, BLOCK_N]
+        qk = gl.where(keep, qk * qk_scale, float("-inf"))        # [BLOCK_M, BLOCK_N] base-2 units
+        m_new = gl.maximum(m_i, gl.max(qk, 1))                   # [BLOCK_M]
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)     # a row that saw no key yet: P = 0, alpha = 0, no NaN
+        p = gl.exp2(qk - m_use[:, None])                         # [BLOCK_M, BLOCK_N]
+    else:
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)        # [BLOCK_M] finite: every key counts
+        m_use = m_new
+        p = gl.exp2(qk * qk_scale - m_use[:, None])              # [BLOCK_M, BLOCK_N], one FMA and exp2 per score
+    alpha = gl.exp2(m_i - m_use)                                 # [BLOCK_M]
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _store_rows(O, LSE, acc, m_i, l_i, off_bh, first_row, N, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                o_layout: gl.constexpr):
+    """The epilogue of BLOCK_M rows from first_row: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets
+    O = 0, lse = -inf. Rows past N are not stored (they belong to the next head)."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    l_o = gl.convert_layout(l_i, row_o)                          # [BLOCK_M]
+    seen = l_o > 0.0
+    acc = acc / gl.where(seen, l_o, 1.0)[:, None]                # [BLOCK_M, HEAD_DIM]
+    lse = gl.where(seen, (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * LN2, float("-inf"))   # [BLOCK_M]
+    offs_m = first_row + gl.arange(0, BLOCK_M, layout=row_o)    # [BLOCK_M] rows of this head
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+    row_ok = offs_m < N
+    gl.store(O + (off_bh * N + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], acc.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    gl.store(LSE + off_bh * N + offs_m, lse, mask=row_ok)
+
+
+@gluon.jit
+def _tiles_sync(lo, hi, q_smem, k_smem, v_smem, full, empty, k_desc, v_desc, kv_row, n_tiles, acc, m_i, l_i, s_zero,
+                offs_m, offs_n, Nk, diag, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr,
+                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                REFILL: gl.constexpr):
+    """Key tiles [lo, hi) of the partition that computes, both GEMMs synchronous. REFILL ("one"): it refills the
+    stage it just read with the tile one lap ahead itself (``empty`` unused); else ("ws"'s consumer) it releases the
+    stage to the producer warp (``k_desc``, ``v_desc`` unused)."""
+    dtype: gl.constexpr = q_smem.dtype
+    for j in range(lo, hi):
+        s = j % NUM_STAGES                                       # stage of tile j
+        mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # lap r waits parity r%2
+        k_tile = k_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
+        v_tile = v_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
+        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N] fp32
+        p, alpha, m_i, l_i = _softmax_tile(qk, m_i, l_i, j, offs_m, offs_n, Nk, diag, qk_scale, BLOCK_N, MASK, CAUSAL)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)          # [BLOCK_M, BLOCK_N] as wgmma's A operand
+        acc = warpgroup_mma(p_op, v_tile, acc)                   # [BLOCK_M, HEAD_DIM]; synchronous: stage s is free
+        if REFILL:
+            nxt = j + NUM_STAGES                                 # refill stage s with the tile one lap ahead
+            if nxt < n_tiles:
+                mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                _tma_load(k_desc, [kv_row + nxt * BLOCK_N, 0], full.index(s), k_tile)
+                _tma_load(v_desc, [kv_row + nxt * BLOCK_N, 0], full.index(s), v_tile)
+        else:
+            mbarrier.arrive(empty.index(s), count=1)             # both GEMMs done reading stage s: release it
+    return acc, m_i, l_i
+
+
+# ------------------------------------------------------------------ "one": the same warps load and compute
+@gluon.jit
+def _attn_fwd(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    start_m = gl.program_id(0)                                   # which query block
-    off_bh = gl.program_id(1)                                    # which (batch, head)
+    start_m, off_bh = _program_ids(CAUSAL)                       # which query block, which (batch, head)
     q_row = off_bh * N + start_m * BLOCK_M                       # first row of this block in q viewed [B*H*N, d]
     kv_row = (off_bh // group) * Nk                              # first key of its KV head in k viewed [B*Hkv*Nk, d]
+    n_tiles = _n_tiles(gl.minimum(start_m * BLOCK_M + BLOCK_M, N) - 1, Nk, diag, BLOCK_N, CAUSAL)
+    n_free = gl.minimum(_n_free(start_m * BLOCK_M, Nk, diag, BLOCK_N, CAUSAL), n_tiles)
 
     # wgmma layouts: S = Q K^T is [BLOCK_M, BLOCK_N], acc = P V is [BLOCK_M, HEAD_DIM]; one warp per 16 rows
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -85,13 +208,11 @@ def _attn_fwd(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, qk_scale,
         mbarrier.init(full.index(i), count=1)
     fence_async_shared()                                         # the barriers' init before the TMA sees them
 
-    kv_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-    n_tiles = gl.cdiv(Nk, BLOCK_N)
-    mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [q_row, 0], q_bar, q_smem)
     for i in gl.static_range(NUM_STAGES):                        # prologue: fill the ring, tile i into stage i
         if i < n_tiles:
-            mbarrier.expect(full.index(i), kv_bytes)
+            mbarrier.expect(full.index(i), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             _tma_load(k_desc, [kv_row + i * BLOCK_N, 0], full.index(i), k_smem.index(i))
             _tma_load(v_desc, [kv_row + i * BLOCK_N, 0], full.index(i), v_smem.index(i))
 
@@ -99,44 +220,21 @@ def _attn_fwd(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, qk_scale,
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)                 # running sum of exp2
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)    # running numerator
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)    # [BLOCK_M] rows of this head
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)                        # [BLOCK_N]
     mbarrier.wait(q_bar, 0)
-
-    for j in range(n_tiles):
-        s = j % NUM_STAGES                                       # stage of tile j
-        mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # parity flips each lap of the ring
-        k_tile = k_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
-        v_tile = v_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
-        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N] fp32
-        keep = (j * BLOCK_N + offs_n) < Nk                       # keys past Nk: the next head's, or TMA's zeros
-        qk = gl.where(keep[None, :], qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))                   # [BLOCK_M] finite: tile j holds a key
-        p = gl.exp2(qk - m_new[:, None])                         # [BLOCK_M, BLOCK_N]
-        alpha = gl.exp2(m_i - m_new)                             # [BLOCK_M]
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)          # [BLOCK_M, BLOCK_N] as wgmma's A operand
-        acc = warpgroup_mma(p_op, v_tile, acc)                   # [BLOCK_M, HEAD_DIM]; synchronous: stage s is free
-        m_i = m_new
-        nxt = j + NUM_STAGES                                     # refill stage s with the tile one lap ahead
-        if nxt < n_tiles:
-            mbarrier.expect(full.index(s), kv_bytes)
-            _tma_load(k_desc, [kv_row + nxt * BLOCK_N, 0], full.index(s), k_tile)
-            _tma_load(v_desc, [kv_row + nxt * BLOCK_N, 0], full.index(s), v_tile)
+    # off-band tiles, no mask; then the band (causal) and the ragged last tile, masked
+    acc, m_i, l_i = _tiles_sync(0, n_free, q_smem, k_smem, v_smem, full, None, k_desc, v_desc, kv_row, n_tiles,
+                                acc, m_i, l_i, s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o,
+                                BLOCK_N, NUM_STAGES, False, CAUSAL, True)
+    acc, m_i, l_i = _tiles_sync(n_free, n_tiles, q_smem, k_smem, v_smem, full, None, k_desc, v_desc, kv_row, n_tiles,
+                                acc, m_i, l_i, s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o,
+                                BLOCK_N, NUM_STAGES, True, CAUSAL, True)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(full.index(i))
-
-    # epilogue: O = acc / l, lse = (m + log2 l) ln 2; rows past N are not stored (they belong to the next head)
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)     # [BLOCK_M] rows of this head
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
-    row_ok = offs_m < N
-    o_ptrs = O + (off_bh * N + offs_m)[:, None] * HEAD_DIM + offs_d[None, :]
-    gl.store(o_ptrs, acc.to(dtype), mask=row_ok[:, None])
-    lse = gl.convert_layout((m_i + gl.log2(l_i)) * LN2, row_o)
-    gl.store(LSE + off_bh * N + offs_m, lse, mask=row_ok)
+    _store_rows(O, LSE, acc, m_i, l_i, off_bh, start_m * BLOCK_M, N, HEAD_DIM, BLOCK_M, o_layout)
 
 
 # ------------------------------------------------------------------ FA3's split: a producer warp, a consumer partition
@@ -155,11 +253,10 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, em
 
 
 @gluon.jit
-def _ws_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, n_tiles, Nk, qk_scale,
+def _ws_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, first_row, n_free, n_tiles, Nk, diag, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 num_warps: gl.constexpr):
-    """The compute warps: wait for tile j's stage, both GEMMs and the online softmax, release the stage."""
-    dtype: gl.constexpr = q_smem.dtype
+                 CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    """The compute warps: for each tile, wait for its stage, both GEMMs and the online softmax, release the stage."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -171,35 +268,28 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, n_tiles, Nk, qk_sca
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)                 # running sum of exp2
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)    # running numerator
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_m = first_row + gl.arange(0, BLOCK_M, layout=row_s)            # [BLOCK_M] rows of this head
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
     mbarrier.wait(q_bar, 0)
-    for j in range(n_tiles):
-        s = j % NUM_STAGES
-        mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # lap r waits parity r%2
-        qk = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N]
-        keep = (j * BLOCK_N + offs_n) < Nk
-        qk = gl.where(keep[None, :], qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
-        p = gl.exp2(qk - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(s), acc)   # synchronous
-        mbarrier.arrive(empty.index(s), count=1)                 # both GEMMs done reading stage s: release it
-        m_i = m_new
+    acc, m_i, l_i = _tiles_sync(0, n_free, q_smem, k_smem, v_smem, full, empty, None, None, 0, n_tiles,
+                                acc, m_i, l_i, s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o,
+                                BLOCK_N, NUM_STAGES, False, CAUSAL, False)
+    acc, m_i, l_i = _tiles_sync(n_free, n_tiles, q_smem, k_smem, v_smem, full, empty, None, None, 0, n_tiles,
+                                acc, m_i, l_i, s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o,
+                                BLOCK_N, NUM_STAGES, True, CAUSAL, False)
     return acc, l_i, m_i
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, qk_scale,
+def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    start_m = gl.program_id(0)
-    off_bh = gl.program_id(1)
+    start_m, off_bh = _program_ids(CAUSAL)
     q_row = off_bh * N + start_m * BLOCK_M
     kv_row = (off_bh // group) * Nk                              # its KV head (GQA): b * Hkv + h // group
-    n_tiles = gl.cdiv(Nk, BLOCK_N)
+    n_tiles = _n_tiles(gl.minimum(start_m * BLOCK_M + BLOCK_M, N) - 1, Nk, diag, BLOCK_N, CAUSAL)   # one count for both
+    n_free = gl.minimum(_n_free(start_m * BLOCK_M, Nk, diag, BLOCK_N, CAUSAL), n_tiles)
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -213,8 +303,8 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, qk_scale,
     fence_async_shared()
 
     acc, l_i, m_i = gl.warp_specialize([
-        (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, n_tiles, Nk, qk_scale,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)),
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, start_m * BLOCK_M, n_free, n_tiles, Nk, diag,
+                        qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, num_warps)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
                         BLOCK_N, NUM_STAGES)),
     ], [1], [24])
@@ -225,14 +315,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, qk_scale,
         mbarrier.invalidate(empty.index(i))
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    row_ok = offs_m < N
-    gl.store(O + (off_bh * N + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], acc.to(dtype), mask=row_ok[:, None])
-    lse = gl.convert_layout((m_i + gl.log2(l_i)) * LN2, row_o)
-    gl.store(LSE + off_bh * N + offs_m, lse, mask=row_ok)
+    _store_rows(O, LSE, acc, m_i, l_i, off_bh, start_m * BLOCK_M, N, HEAD_DIM, BLOCK_M, o_layout)
 
 
 # ------------------------------------------------------------------ FA3's ping-pong and intra-warpgroup overlap
@@ -263,40 +346,12 @@ def _pp_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, em
 
 
 @gluon.jit
-def _pp_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, n_tiles, qk_scale,
-                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): rows m_row + WG * BLOCK_M of this head, every KV tile, its own epilogue."""
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_tile = q_smem.index(WG)                                    # [BLOCK_M, HEAD_DIM], this warpgroup's rows
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)    # running numerator
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
-    if PINGPONG:
-        if WG == 1:
-            mbarrier.arrive(turn.index(0), count=1)              # warpgroup 0 takes the first turn
-    mbarrier.wait(q_bar, 0)
-
-    # tile 0: S_0 alone (no P V yet), then its softmax
-    mbarrier.wait(full.index(0), 0)
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), 0)                         # turn k waits parity k % 2
-    qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N]
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)             # the other warpgroup's turn
-    qk = gl.where((offs_n < Nk)[None, :], qk * qk_scale, float("-inf"))
-    m_i = gl.max(qk, 1)                                          # [BLOCK_M] running max (base 2), finite
-    p = gl.exp2(qk - m_i[:, None])                               # [BLOCK_M, BLOCK_N]
-    l_i = gl.sum(p, 1)                                           # [BLOCK_M] running sum of exp2
-    p_op = gl.convert_layout(p.to(dtype), p_layout)              # P_0 as wgmma's A operand
-
-    for j in range(1, n_tiles):
+def _pp_tiles(lo, hi, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i, l_i, s_zero, offs_m, offs_n, Nk,
+              diag, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tiles [lo, hi), lo >= 1, of one consumer warpgroup: p_op holds P_{lo-1}, whose P V is still to do."""
+    dtype: gl.constexpr = k_smem.dtype
+    for j in range(lo, hi):
         s = j % NUM_STAGES                                       # stage of tile j
         sp = (j - 1) % NUM_STAGES                                # stage of tile j - 1 (its V is still needed)
         mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # lap r waits parity r%2
@@ -307,42 +362,80 @@ def _pp_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_b
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(1, deps=(qk,))                   # S_j done; P_{j-1} V_{j-1} may still run
-        keep = (j * BLOCK_N + offs_n) < Nk                       # keys past Nk: the next head's, or TMA's zeros
-        qk = gl.where(keep[None, :], qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))                   # the softmax of tile j, under the P V GEMM
-        p = gl.exp2(qk - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)                             # [BLOCK_M]
-        l_i = l_i * alpha + gl.sum(p, 1)
+        # the softmax of tile j, under the P V GEMM
+        p, alpha, m_i, l_i = _softmax_tile(qk, m_i, l_i, j, offs_m, offs_n, Nk, diag, qk_scale, BLOCK_N, MASK, CAUSAL)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))      # P_{j-1} V_{j-1} done: acc in base m_{j-1}
         mbarrier.arrive(empty.index(sp), count=1)                # both GEMMs that read stage sp are done
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]     # now in base m_j
-        m_i = m_new
         p_op = gl.convert_layout(p.to(dtype), p_layout)
+    return acc, p_op, m_i, l_i
+
+
+@gluon.jit
+def _pp_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, diag, n_tiles,
+                 qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): rows m_row + WG * BLOCK_M of this head, all n_tiles key tiles of the CTA (the
+    producer's count: causal, warpgroup 0's last tiles may lie past its own rows' diagonal and be masked whole), its
+    own epilogue."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    first_row = m_row + WG * BLOCK_M                             # this warpgroup's first row in the head
+    q_tile = q_smem.index(WG)                                    # [BLOCK_M, HEAD_DIM], this warpgroup's rows
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)    # running numerator
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_m = first_row + gl.arange(0, BLOCK_M, layout=row_s)            # [BLOCK_M] rows of this head
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
+    n_free = gl.minimum(_n_free(first_row, Nk, diag, BLOCK_N, CAUSAL), n_tiles)   # this warpgroup's unmasked tiles
+    if PINGPONG:
+        if WG == 1:
+            mbarrier.arrive(turn.index(0), count=1)              # warpgroup 0 takes the first turn
+    mbarrier.wait(q_bar, 0)
+
+    # tile 0: S_0 alone (no P V yet), then its softmax, masked (it may be on the band)
+    mbarrier.wait(full.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), 0)                         # turn k waits parity k % 2
+    qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N]
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)             # the other warpgroup's turn
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)   # running max (base 2)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)                 # running sum of exp2
+    p, alpha, m_i, l_i = _softmax_tile(qk, m_i, l_i, 0, offs_m, offs_n, Nk, diag, qk_scale, BLOCK_N, True, CAUSAL)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)              # P_0 as wgmma's A operand
+
+    # tiles 1.. : off-band, no mask; then the band (causal) and the ragged last tile, masked
+    lo = gl.maximum(n_free, 1)
+    acc, p_op, m_i, l_i = _pp_tiles(1, lo, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i, l_i, s_zero,
+                                    offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o, WG, BLOCK_N, NUM_STAGES,
+                                    PINGPONG, False, CAUSAL)
+    acc, p_op, m_i, l_i = _pp_tiles(lo, n_tiles, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i, l_i,
+                                    s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o, WG, BLOCK_N,
+                                    NUM_STAGES, PINGPONG, True, CAUSAL)
 
     last = (n_tiles - 1) % NUM_STAGES
     acc = warpgroup_mma(p_op, v_smem.index(last), acc)           # P_{T-1} V_{T-1}, synchronous
     mbarrier.arrive(empty.index(last), count=1)
-
-    # epilogue: O = acc / l, lse = (m + log2 l) ln 2; rows past N are not stored (they belong to the next head)
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    offs_m = m_row + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)  # [BLOCK_M] rows of this head
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    row_ok = offs_m < N
-    gl.store(O + (off_bh * N + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], acc.to(dtype), mask=row_ok[:, None])
-    lse = gl.convert_layout((m_i + gl.log2(l_i)) * LN2, row_o)
-    gl.store(LSE + off_bh * N + offs_m, lse, mask=row_ok)
+    _store_rows(O, LSE, acc, m_i, l_i, off_bh, first_row, N, HEAD_DIM, BLOCK_M, o_layout)
 
 
 @gluon.jit
-def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, qk_scale,
+def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    m_row = gl.program_id(0) * (2 * BLOCK_M)                     # first row of this CTA's 2 x BLOCK_M query rows
-    off_bh = gl.program_id(1)
+    start_m, off_bh = _program_ids(CAUSAL)
+    m_row = start_m * (2 * BLOCK_M)                              # first row of this CTA's 2 x BLOCK_M query rows
     q_row = off_bh * N + m_row                                   # in q viewed [B*H*N, d]
     kv_row = (off_bh // group) * Nk                              # its KV head (GQA): b * Hkv + h // group
-    n_tiles = gl.cdiv(Nk, BLOCK_N)
+    # one tile count for the producer and both warpgroups, from the CTA's last row: they wait on the same stages
+    n_tiles = _n_tiles(gl.minimum(m_row + 2 * BLOCK_M, N) - 1, Nk, diag, BLOCK_N, CAUSAL)
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -359,10 +452,10 @@ def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, qk_scale,
     fence_async_shared()
 
     gl.warp_specialize([
-        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, n_tiles,
-                        qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG)),
-        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, n_tiles,
-                        qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG)),
+        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, diag, n_tiles,
+                        qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG, CAUSAL)),
+        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, diag, n_tiles,
+                        qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG, CAUSAL)),
         (_pp_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
                         BLOCK_M, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [240, 24])
@@ -425,7 +518,7 @@ def _check_inputs(q, k, v, sm_scale):
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"gluon_forward: q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     B, H, N, d = q.shape
-    try:                                                         # k, v [B, Hkv, Nk, d], H % Hkv == 0: the course's check
+    try:                                         # k, v [B, Hkv, Nk, d], H % Hkv == 0: the course's check
         _check_dense_kv(q, k, v)
     except ValueError as e:
         raise ValueError(f"gluon_forward: {e}") from None
@@ -448,14 +541,24 @@ def _check_inputs(q, k, v, sm_scale):
                          f"is sm_{cap[0]}{cap[1]}")
 
 
-def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None):
-    """(O, lse) of non-causal attention: q ``[B, H, N, d]``, k, v ``[B, Hkv, Nk, d]`` (H a multiple of Hkv: query
-    head h reads KV head h // (H // Hkv)) on an sm_90 GPU, bf16 or fp16,
-    d = 64 or 128. O has q's dtype, lse is float32 in natural log. ``variant`` (``VARIANTS``): ``"one"`` (default),
-    ``"ws"`` (FA3's split: a producer warp that only loads and the compute warps, handing stages over through
-    full/empty barriers; ``warp_specialize=True`` says the same), ``"overlap"`` (a producer warp and two consumer
-    warpgroups, each issuing the next QK^T before this tile's softmax) and ``"pp"`` (those warpgroups also take turns
-    on the tensor cores: FA3's ping-pong). ``"overlap"`` and ``"pp"`` compile for sm_90 but have not run natively yet.
+def _diag(causal, align, N, Nk):
+    """Causal: row i sees key j when j <= i + diag; diag = 0 for "top_left" (SDPA's is_causal), Nk - N for
+    "bottom_right" (the FlashAttention library's: the last query sees every key), as in flash_attn_triton."""
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"gluon_forward: align must be 'top_left' or 'bottom_right', got {align!r}")
+    return (Nk - N) if (causal and align == "bottom_right") else 0
+
+
+def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, causal=False, align="top_left"):
+    """(O, lse) of attention: q ``[B, H, N, d]``, k, v ``[B, Hkv, Nk, d]`` (H a multiple of Hkv: query head h reads
+    KV head h // (H // Hkv)) on an sm_90 GPU, bf16 or fp16, d = 64 or 128. O has q's dtype, lse is float32 in natural
+    log. ``causal``: row i sees key j when j <= i + diag, diag = 0 for ``align="top_left"``, Nk - N for
+    ``"bottom_right"`` (``flash_attn_triton``'s rule); a row that sees no key gets O = 0, lse = -inf. A program visits
+    key tiles only up to its last row's diagonal, masks only the tiles on the band, and the heaviest query blocks
+    launch first. ``variant`` (``VARIANTS``): ``"one"`` (default), ``"ws"`` (FA3's split: a producer warp that only
+    loads and the compute warps, handing stages over through full/empty barriers; ``warp_specialize=True`` says the
+    same), ``"overlap"`` (a producer warp and two consumer warpgroups, each issuing the next QK^T before this tile's
+    softmax) and ``"pp"`` (those warpgroups also take turns on the tensor cores: FA3's ping-pong).
     Raises TypeError or ValueError, before any GPU work, for inputs it cannot take."""
     import torch
     variant = _variant(variant, warp_specialize)
@@ -463,6 +566,7 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, H, N, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    diag = _diag(causal, align, N, Nk)
     kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, rows_per_cta, num_warps = _launch_spec(variant, d)
     q2 = q.contiguous().view(B * H * N, d)                       # [B*H*N, d]
     k2 = k.contiguous().view(B * Hkv * Nk, d)                    # [B*Hkv*Nk, d]
@@ -476,15 +580,17 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None):
     o = torch.empty_like(q)                                      # [B, H, N, d]
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
     qk_scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * LOG2E.value
-    grid = (triton.cdiv(N, rows_per_cta), B * H)
-    kernel[grid](q_desc, k_desc, v_desc, o, lse, N, Nk, H // Hkv, qk_scale,
-                 HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, **extra,
+    n_blocks = triton.cdiv(N, rows_per_cta)
+    grid = (B * H, n_blocks) if causal else (n_blocks, B * H)   # causal: _program_ids reads it last block first
+    kernel[grid](q_desc, k_desc, v_desc, o, lse, N, Nk, H // Hkv, diag, qk_scale,
+                 HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=bool(causal), **extra,
                  num_warps=num_warps)
     return o, lse
 
 
-def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None):
-    """Compile one variant's kernel for sm_90 with Triton's own compiler, no GPU needed; returns the PTX."""
+def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None, causal=False):
+    """Compile one variant's kernel for sm_90 with Triton's own compiler, no GPU needed; returns the PTX. (GQA needs
+    no compile of its own: the query heads per KV head are a runtime argument.)"""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     variant = _variant(variant, warp_specialize)
@@ -495,11 +601,12 @@ def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None):
     sig = {"q_desc": f"tensordesc<{dtype}[{BLOCK_M}, {d}],{q_layout!r}>",
            "k_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
            "v_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
-           "O": f"*{dtype}", "LSE": "*fp32", "N": "i32", "Nk": "i32", "group": "i32", "qk_scale": "fp32",
-           "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr",
-           **{name: "constexpr" for name in extra}, "num_warps": "constexpr"}
-    const = {"HEAD_DIM": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, **extra,
-             "num_warps": num_warps}
+           "O": f"*{dtype}", "LSE": "*fp32", "N": "i32", "Nk": "i32", "group": "i32", "diag": "i32",
+           "qk_scale": "fp32", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+           "NUM_STAGES": "constexpr", "CAUSAL": "constexpr", **{name: "constexpr" for name in extra},
+           "num_warps": "constexpr"}
+    const = {"HEAD_DIM": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "CAUSAL": bool(causal),
+             **extra, "num_warps": num_warps}
     src = GluonASTSource(kernel, sig, const)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     return compiled.asm["ptx"]
