@@ -612,27 +612,66 @@ def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None, c
     return compiled.asm["ptx"]
 
 
-def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False, variant=None, log=None):
-    """On an sm_90 GPU: one variant of the kernel (``VARIANTS``) against float64 attention on harsh shapes (ragged N
-    and Nk, N = 1, Nk = 1, large logits), bf16 and fp16, d = 64 and 128. The bound per case is 2 x SDPA's own error
-    in that dtype plus the output's rounding. A case that raises is recorded as failed (its error in ``rows``), and
-    the others still run; ``log(row)`` is called after each case. Returns {"cases", "worst" (max |O - O64|),
-    "worst_lse", "ok", "rows"}."""
+# Self-test cases (B, H, Hkv, N, Nk, causal, align): ragged N and Nk, N = 1, Nk = 1, N != Nk both ways, GQA 4:1
+# and 8:1, and causal rows that see no key (bottom_right with N > Nk: the first N - Nk rows; N = 130, Nk = 1 leaves a
+# whole 128-row program empty). N = 257 also gets large logits.
+SELFTEST_CASES = [
+    (2, 3, 3, 1000, 1000, False, "top_left"), (1, 2, 2, 1, 77, False, "top_left"), (1, 2, 2, 130, 1, False, "top_left"),
+    (2, 2, 2, 257, 1029, False, "top_left"), (1, 4, 4, 2048, 2048, False, "top_left"),
+    (2, 8, 2, 513, 700, False, "top_left"),                                         # GQA 4:1
+    (2, 3, 3, 1000, 1000, True, "top_left"), (1, 2, 2, 300, 1000, True, "top_left"),
+    (1, 2, 2, 300, 1000, True, "bottom_right"), (1, 2, 2, 1000, 300, True, "top_left"),
+    (1, 2, 2, 1000, 300, True, "bottom_right"),                                     # rows 0..699 see nothing
+    (1, 2, 2, 1, 77, True, "bottom_right"), (1, 2, 2, 130, 1, True, "bottom_right"),
+    (2, 2, 2, 257, 1029, True, "bottom_right"),
+    (1, 8, 2, 1000, 1000, True, "top_left"),                                        # GQA 4:1
+    (1, 8, 1, 777, 1000, True, "bottom_right"), (1, 16, 2, 2048, 2048, True, "top_left"),   # GQA 8:1
+]
+
+
+def _reference(q, k, v, causal, align):
+    """float64 (O, lse) of q [B, H, N, d], k, v [B, Hkv, Nk, d]; a row that sees no key: O = 0, lse = -inf."""
+    import torch
+    B, H, N, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    k64 = k.double().repeat_interleave(H // Hkv, 1)              # [B, H, Nk, d]: query head h reads KV head h // group
+    v64 = v.double().repeat_interleave(H // Hkv, 1)
+    s = (q.double() @ k64.transpose(-1, -2)) / math.sqrt(d)      # [B, H, N, Nk]
+    if causal:
+        diag = _diag(causal, align, N, Nk)
+        rows, cols = torch.arange(N, device=q.device), torch.arange(Nk, device=q.device)
+        s = s.masked_fill(cols[None, :] > rows[:, None] + diag, float("-inf"))
+    lse = torch.logsumexp(s, -1)                                  # [B, H, N], -inf where a row sees nothing
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])      # [B, H, N, Nk], 0 in such a row
+    return p @ v64, lse
+
+
+def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False, variant=None, log=None, causal=None):
+    """On an sm_90 GPU: one variant of the kernel (``VARIANTS``) against float64 attention on harsh cases
+    (``SELFTEST_CASES``: ragged N and Nk, N = 1, Nk = 1, N != Nk both ways, large logits, GQA 4:1 and 8:1, causal in
+    both alignments, rows that see no key), bf16 and fp16, d = 64 and 128. ``causal``: None runs every case, True
+    only the causal ones, False only the others; ``shapes``: other cases, (B, H, N, Nk) or the 7-tuples. The bound
+    per case is 2 x SDPA's own error in that dtype (on the rows that see a key) plus the output's rounding; rows that
+    see no key must give O = 0 exactly and lse = -inf. A case that raises is recorded as failed (its error in
+    ``rows``), and the others still run; ``log(row)`` is called after each case. Returns {"cases", "worst"
+    (max |O - O64|), "worst_lse", "ok", "rows"}."""
     import torch
     import torch.nn.functional as F
     variant = _variant(variant, warp_specialize)
     torch.manual_seed(seed)
-    shapes = shapes or [(2, 3, 1000, 1000), (1, 2, 1, 77), (1, 2, 130, 1), (2, 2, 257, 1029), (1, 4, 2048, 2048)]
+    cases = [c if len(c) == 7 else (c[0], c[1], c[1], c[2], c[3], False, "top_left") for c in shapes or SELFTEST_CASES]
+    cases = [c for c in cases if causal is None or c[5] == causal]
     rows, worst, worst_lse, ok = [], 0.0, 0.0, True
     for dt in (torch.bfloat16, torch.float16):
         for d in (64, 128):
-            for B, H, N, Nk in shapes:
-                row = dict(dtype=str(dt).replace("torch.", ""), d=d, shape=(B, H, N, Nk))
+            for B, H, Hkv, N, Nk, is_causal, align in cases:
+                row = dict(dtype=str(dt).replace("torch.", ""), d=d, shape=(B, H, Hkv, N, Nk),
+                           causal=align if is_causal else False)
                 big = 4.0 if N == 257 else 1.0                   # large logits in one shape
                 q = (torch.randn(B, H, N, d, device="cuda") * big).to(dt)
-                k, v = (torch.randn(B, H, Nk, d, device="cuda").to(dt) for _ in range(2))
+                k, v = (torch.randn(B, Hkv, Nk, d, device="cuda").to(dt) for _ in range(2))
                 try:
-                    o, lse = gluon_forward(q, k, v, variant=variant)
+                    o, lse = gluon_forward(q, k, v, variant=variant, causal=is_causal, align=align)
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 - one report for the whole run
                     ok = False
@@ -640,36 +679,45 @@ def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False, variant=N
                     if log:
                         log(rows[-1])
                     continue
-                q64, k64, v64 = q.double(), k.double(), v.double()
-                s = (q64 @ k64.transpose(-1, -2)) / math.sqrt(d)         # [B, H, N, Nk]
-                lse64 = torch.logsumexp(s, -1)
-                o64 = torch.softmax(s, -1) @ v64
-                sdpa = (F.scaled_dot_product_attention(q, k, v).double() - o64).abs().max().item()
-                err = (o.double() - o64).abs().max().item()
-                err_lse = (lse.double() - lse64).abs().max().item()
+                o64, lse64 = _reference(q, k, v, is_causal, align)
+                seen = torch.isfinite(lse64)                     # [B, H, N] rows that see at least one key
+                mask = None
+                if is_causal:                                    # SDPA on the same rows: its own error, the yardstick
+                    rr, cc = torch.arange(N, device="cuda"), torch.arange(Nk, device="cuda")
+                    mask = cc[None, :] <= rr[:, None] + _diag(True, align, N, Nk)      # [N, Nk] True: attend
+                kr, vr = (x.repeat_interleave(H // Hkv, 1) for x in (k, v))
+                o_sdpa = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask).double()
+                sdpa = (o_sdpa - o64)[seen].abs().max().item() if seen.any() else 0.0
+                err = (o.double() - o64)[seen].abs().max().item() if seen.any() else 0.0
+                err_lse = (lse.double() - lse64)[seen].abs().max().item() if seen.any() else 0.0
                 bound = 2 * sdpa + torch.finfo(dt).eps * o64.abs().max().item()
-                good = bool(torch.isfinite(o).all()) and err <= bound and \
-                    err_lse <= 1e-3 * max(1.0, lse64.abs().max().item())
+                empty_ok = bool((o[~seen] == 0).all()) and bool((lse[~seen] == float("-inf")).all())
+                good = bool(torch.isfinite(o).all()) and err <= bound and empty_ok and \
+                    err_lse <= 1e-3 * max(1.0, lse64[seen].abs().max().item() if seen.any() else 1.0)
                 ok &= good
                 worst, worst_lse = max(worst, err), max(worst_lse, err_lse)
-                rows.append(dict(row, err=err, bound=bound, sdpa_err=sdpa, lse_err=err_lse, ok=good))
+                rows.append(dict(row, err=err, bound=bound, sdpa_err=sdpa, lse_err=err_lse,
+                                 empty_rows=int((~seen).sum().item()), empty_ok=empty_ok, ok=good))
                 if log:
                     log(rows[-1])
     return {"cases": len(rows), "worst": worst, "worst_lse": worst_lse, "ok": ok, "rows": rows}
 
 
-if __name__ == "__main__":     # on an sm_90 GPU: python -m helpers.kernels.gluon_forward [--variant one|ws|overlap|pp]
+if __name__ == "__main__":     # on an sm_90 GPU: python -m helpers.kernels.gluon_forward [--variant X] [--causal]
     import argparse
 
     import torch
-    ap = argparse.ArgumentParser(description="The Gluon forward against float64 on harsh shapes (an sm_90 GPU).")
+    ap = argparse.ArgumentParser(description="The Gluon forward against float64 on harsh cases (an sm_90 GPU).")
     ap.add_argument("--variant", choices=list(VARIANTS), default=None)
     ap.add_argument("--warp-specialize", action="store_true", help="the same as --variant ws")
+    ap.add_argument("--causal", action="store_true", help="only the causal cases (default: every case)")
     args = ap.parse_args()
     variant = _variant(args.variant, args.warp_specialize)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"variant {variant}: {VARIANTS[variant]}", flush=True)
-    result = gluon_forward_selftest(variant=variant, log=lambda r: print(r, flush=True))
-    print(f"{result['cases']} cases, worst |O - float64| {result['worst']:.2e}, worst |lse - float64| "
-          f"{result['worst_lse']:.2e}: {'ALL OK' if result['ok'] else 'FAILURES ABOVE'}")
+    result = gluon_forward_selftest(variant=variant, causal=True if args.causal else None,
+                                    log=lambda r: print(r, flush=True))
+    print(f"variant {variant}: {result['cases']} cases{' (causal)' if args.causal else ''}, worst |O - float64| "
+          f"{result['worst']:.2e}, worst |lse - float64| {result['worst_lse']:.2e}: "
+          f"{'ALL OK' if result['ok'] else 'FAILURES ABOVE'}")
     raise SystemExit(0 if result["ok"] else 1)
