@@ -285,11 +285,14 @@ _COMPILE = """
 import json
 from helpers.kernels.gluon_forward import compile_for_sm90
 out = {}
-for d, dt, var in ((64, "bf16", "one"), (128, "fp16", "one"), (64, "fp16", "ws"), (128, "bf16", "ws"),
-                   (64, "bf16", "pp"), (128, "fp16", "pp"), (128, "bf16", "overlap")):
-    ptx = compile_for_sm90(d=d, dtype=dt, variant=var)
-    out[f"{d} {dt} {var}"] = [k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity",
-                                          "ex2.approx", "wgmma.wait_group.sync.aligned 1") if k in ptx]
+for d, dt, var, causal in ((64, "bf16", "one", False), (128, "fp16", "one", False), (64, "fp16", "ws", False),
+                           (128, "bf16", "ws", False), (64, "bf16", "pp", False), (128, "fp16", "pp", False),
+                           (128, "bf16", "overlap", False), (64, "bf16", "one", True), (128, "fp16", "ws", True),
+                           (128, "bf16", "pp", True), (64, "fp16", "overlap", True)):
+    ptx = compile_for_sm90(d=d, dtype=dt, variant=var, causal=causal)
+    out[f"{d} {dt} {var}{' causal' if causal else ''}"] = [
+        k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx",
+                    "wgmma.wait_group.sync.aligned 1", "div.s32", "%nctaid.y") if k in ptx]
 print(json.dumps(out))
 """
 
@@ -297,7 +300,9 @@ print(json.dumps(out))
 @pytest.mark.skipif(bool(_gluon_hopper_api()), reason=_gluon_hopper_api() or "ok")
 def test_gluon_forward_compiles_for_sm90():
     """Triton's compiler, no GPU: TTGIR, PTX and a cubin for sm_90, in a child process with the interpreter off
-    (Triton decides between its interpreter and its compiler when a kernel is decorated)."""
+    (Triton decides between its interpreter and its compiler when a kernel is decorated). Every variant, non-causal
+    and causal; GQA is a runtime argument (the KV head is (b*H + h) // group: one integer division in every
+    variant)."""
     import json
     import os
     import subprocess
@@ -307,10 +312,14 @@ def test_gluon_forward_compiles_for_sm90():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     found = json.loads(r.stdout.strip().splitlines()[-1])
-    want = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx"]
-    overlap = want + ["wgmma.wait_group.sync.aligned 1"]       # waits for S_j while P_{j-1} V_{j-1} still runs
+    want = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx", "div.s32"]
+    overlap = want[:4] + ["wgmma.wait_group.sync.aligned 1", "div.s32"]   # waits for S_j while P_{j-1} V_{j-1} runs
+    heavy_first = ["%nctaid.y"]                           # causal: the query block is counted from the grid's end
     assert found == {"64 bf16 one": want, "128 fp16 one": want, "64 fp16 ws": want, "128 bf16 ws": want,
-                     "64 bf16 pp": overlap, "128 fp16 pp": overlap, "128 bf16 overlap": overlap}, found
+                     "64 bf16 pp": overlap, "128 fp16 pp": overlap, "128 bf16 overlap": overlap,
+                     "64 bf16 one causal": want + heavy_first, "128 fp16 ws causal": want + heavy_first,
+                     "128 bf16 pp causal": overlap + heavy_first,
+                     "64 fp16 overlap causal": overlap + heavy_first}, found
 
 
 def _kernel_waits(fn_name):
@@ -398,6 +407,8 @@ def _gluon_module():
     ("cpu", {}, ValueError, "needs an sm_90 GPU"),
     ("cpu", {"variant": "pingpong"}, ValueError, "variant must be one of one, ws, overlap, pp"),
     ("cpu", {"sm_scale": "0.1"}, TypeError, "sm_scale must be a Python number"),
+    ("cpu", {"causal": True, "align": "bottom-right"}, ValueError, "align must be 'top_left' or 'bottom_right'"),
+    ("3 KV heads for 2", {"causal": True}, ValueError, "must be a multiple of Hkv"),
 ])
 def test_gluon_forward_says_what_is_wrong_before_any_gpu_work(args, kwargs, err, words):
     import torch

@@ -541,11 +541,15 @@ def _check_inputs(q, k, v, sm_scale):
                          f"is sm_{cap[0]}{cap[1]}")
 
 
+def _check_align(align):
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"gluon_forward: align must be 'top_left' or 'bottom_right', got {align!r}")
+
+
 def _diag(causal, align, N, Nk):
     """Causal: row i sees key j when j <= i + diag; diag = 0 for "top_left" (SDPA's is_causal), Nk - N for
     "bottom_right" (the FlashAttention library's: the last query sees every key), as in flash_attn_triton."""
-    if align not in ("top_left", "bottom_right"):
-        raise ValueError(f"gluon_forward: align must be 'top_left' or 'bottom_right', got {align!r}")
+    _check_align(align)
     return (Nk - N) if (causal and align == "bottom_right") else 0
 
 
@@ -562,6 +566,7 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, c
     Raises TypeError or ValueError, before any GPU work, for inputs it cannot take."""
     import torch
     variant = _variant(variant, warp_specialize)
+    _check_align(align)
     _check_inputs(q, k, v, sm_scale)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, H, N, d = q.shape
