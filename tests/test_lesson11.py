@@ -288,7 +288,7 @@ out = {}
 for d, dt, var, causal in ((64, "bf16", "one", False), (128, "fp16", "one", False), (64, "fp16", "ws", False),
                            (128, "bf16", "ws", False), (64, "bf16", "pp", False), (128, "fp16", "pp", False),
                            (128, "bf16", "overlap", False), (64, "bf16", "one", True), (128, "fp16", "ws", True),
-                           (128, "bf16", "pp", True), (64, "fp16", "overlap", True)):
+                           (128, "bf16", "pp", True), (64, "fp16", "overlap", True), (128, "bf16", "pp128", True)):
     ptx = compile_for_sm90(d=d, dtype=dt, variant=var, causal=causal)
     out[f"{d} {dt} {var}{' causal' if causal else ''}"] = [
         k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx",
@@ -319,7 +319,8 @@ def test_gluon_forward_compiles_for_sm90():
                      "64 bf16 pp": overlap, "128 fp16 pp": overlap, "128 bf16 overlap": overlap,
                      "64 bf16 one causal": want + heavy_first, "128 fp16 ws causal": want + heavy_first,
                      "128 bf16 pp causal": overlap + heavy_first,
-                     "64 fp16 overlap causal": overlap + heavy_first}, found
+                     "64 fp16 overlap causal": overlap + heavy_first,
+                     "128 bf16 pp128 causal": overlap + heavy_first}, found
 
 
 def _kernel_waits(fn_name):
@@ -405,7 +406,7 @@ def _gluon_module():
     ("d = 32", {}, ValueError, "must be one of 64, 128"),
     ("Nk = 0", {}, ValueError, "at least one query and one key"),
     ("cpu", {}, ValueError, "needs an sm_90 GPU"),
-    ("cpu", {"variant": "pingpong"}, ValueError, "variant must be one of one, ws, overlap, pp"),
+    ("cpu", {"variant": "pingpong"}, ValueError, "variant must be one of one, ws, overlap, pp, pp128"),
     ("cpu", {"sm_scale": "0.1"}, TypeError, "sm_scale must be a Python number"),
     ("cpu", {"causal": True, "align": "bottom-right"}, ValueError, "align must be 'top_left' or 'bottom_right'"),
     ("3 KV heads for 2", {"causal": True}, ValueError, "must be a multiple of Hkv"),

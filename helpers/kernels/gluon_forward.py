@@ -27,7 +27,8 @@ Three more variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
   CTA's 128 query rows (empty barriers expect two releases). Each warpgroup issues S_j = Q K_jᵀ and P_{j-1} V_{j-1}
   asynchronously, waits for S_j alone and runs tile j's softmax while P_{j-1} V_{j-1} is on the tensor cores (FA3's
   intra-warpgroup overlap, Algorithm 2). ``"pp"`` adds ping-pong: the warpgroups take turns to issue their GEMMs
-  (two mbarriers, ``turn``; FA3 uses named barriers), so one's softmax runs under the other's GEMMs.
+  (two mbarriers, ``turn``; FA3 uses named barriers), so one's softmax runs under the other's GEMMs. ``"pp128"`` is
+  ``"pp"`` with 128 rows per warpgroup (CTA 256 rows), FA3's tile for d = 128 (``PP128_BLOCKS``; compiled only).
 
 Measured on an H200 (2026-12-01, non-causal, before causal and GQA came in; ``bench/results/gluon_h200.json`` and
 ``gluon_h200_variants.json``): ``"one"`` and ``"ws"`` correct in 20 of 20 harsh cases each, ``"one"`` 0.91-1.03x the
@@ -37,7 +38,7 @@ N = 16384 ``"pp"`` 531 TFLOP/s bf16 (the Triton forward 532, cuDNN 570). The cau
 Written against Gluon as shipped in Triton 3.6 (``triton.experimental.gluon``; it also compiles under 3.9, where the
 TMA load is named ``async_load``). Nothing here runs under Triton's interpreter.
 
-On an sm_90 GPU: ``python -m helpers.kernels.gluon_forward [--variant one|ws|overlap|pp] [--causal]``
+On an sm_90 GPU: ``python -m helpers.kernels.gluon_forward [--variant one|ws|overlap|pp|pp128] [--causal]``
 (``gluon_forward_selftest()``, one line per case; ``--warp-specialize`` is ``--variant ws``), and
 ``bench/bench_gluon.py --variant ...`` for the timings. ``gluon_forward`` checks its inputs on the host first
 (TypeError/ValueError; a CPU tensor: "needs an sm_90 GPU").
@@ -56,7 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .common import LN2, LOG2E, _check_dense_kv
 
-__all__ = ["gluon_forward", "gluon_forward_selftest", "compile_for_sm90", "BLOCKS", "PP_BLOCKS", "VARIANTS"]
+__all__ = ["gluon_forward", "gluon_forward_selftest", "compile_for_sm90", "BLOCKS", "PP_BLOCKS", "PP128_BLOCKS",
+           "VARIANTS"]
 
 # The TMA load's name: async_copy_global_to_shared in Triton 3.6 (the GPU machine's), async_load from 3.7 on.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -327,6 +329,12 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
 # GEMMs. (BLOCK_M, BLOCK_N, NUM_STAGES) per head dim: BLOCK_M rows per warpgroup; shared memory for bf16 at d = 128:
 # Q 2 x 16 KiB + 3 stages x (K + V) 2 x 16 KiB = 128 KiB.
 PP_BLOCKS = {64: (64, 128, 3), 128: (64, 64, 3)}
+# "pp128": each consumer warpgroup owns 128 rows (CTA 256 rows), FA3's tile for d = 128, with the consumers' registers
+# raised to 240 each by warp_specialize (the producer warp keeps 24): acc alone is 128 fp32 registers a thread at
+# d = 128. Shared memory for bf16 at d = 128: Q 2 x 32 KiB + 2 stages x (K + V) 2 x 16 KiB = 128 KiB. ptxas (Triton
+# 3.6, sm_90a) reports no spills at d = 64 and ~0.4-0.5 KiB of spill stores a thread at d = 128 (more with
+# BLOCK_N = 128 or 3 stages): compiled, not yet run.
+PP128_BLOCKS = {64: (128, 64, 3), 128: (128, 64, 2)}
 
 
 @gluon.jit
@@ -479,14 +487,15 @@ VARIANTS = {
     "ws": "a producer warp + one consumer partition (_attn_fwd_ws)",
     "overlap": "a producer warp + two consumer warpgroups, intra-warpgroup overlap (_attn_fwd_pp, PINGPONG=False)",
     "pp": "a producer warp + two consumer warpgroups in ping-pong, intra-warpgroup overlap (_attn_fwd_pp)",
+    "pp128": "as pp, each consumer warpgroup owning 128 query rows, the CTA 256 (_attn_fwd_pp, PP128_BLOCKS)",
 }
 
 
 def _launch_spec(variant, d):
     """(kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra constexprs, query rows per CTA, num_warps) of a variant."""
-    if variant in ("overlap", "pp"):
-        bm, bn, st = PP_BLOCKS[d]
-        return _attn_fwd_pp, (bm, bn, st), {"PINGPONG": variant == "pp"}, 2 * bm, 4   # + 4 + 1 worker warps
+    if variant in ("overlap", "pp", "pp128"):
+        bm, bn, st = (PP128_BLOCKS if variant == "pp128" else PP_BLOCKS)[d]
+        return _attn_fwd_pp, (bm, bn, st), {"PINGPONG": variant != "overlap"}, 2 * bm, 4   # + 4 + 1 worker warps
     bm, bn, st = BLOCKS[d]
     return (_attn_fwd_ws if variant == "ws" else _attn_fwd), (bm, bn, st), {}, bm, bm // 16
 
