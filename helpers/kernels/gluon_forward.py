@@ -19,7 +19,7 @@ producer and consumers share the ring, the kernel computes ``n_tiles`` once per 
 each partition: the barriers' phase rule is unchanged, only the number of laps differs between programs. A row that
 sees no key gets O = 0 and lse = -inf.
 
-Three more variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
+More variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
 * ``"ws"``, ``_attn_fwd_ws``: FA3's split with ``gl.warp_specialize``, a producer warp that only issues TMA loads and
   one consumer partition, full and empty barriers per stage (lesson 11's schedule with one consumer). It adds
   hand-overs but overlaps no softmax with the tensor cores.
