@@ -285,11 +285,14 @@ _COMPILE = """
 import json
 from helpers.kernels.gluon_forward import compile_for_sm90
 out = {}
-for d, dt, var in ((64, "bf16", "one"), (128, "fp16", "one"), (64, "fp16", "ws"), (128, "bf16", "ws"),
-                   (64, "bf16", "pp"), (128, "fp16", "pp"), (128, "bf16", "overlap")):
-    ptx = compile_for_sm90(d=d, dtype=dt, variant=var)
-    out[f"{d} {dt} {var}"] = [k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity",
-                                          "ex2.approx", "wgmma.wait_group.sync.aligned 1") if k in ptx]
+for d, dt, var, causal in ((64, "bf16", "one", False), (128, "fp16", "one", False), (64, "fp16", "ws", False),
+                           (128, "bf16", "ws", False), (64, "bf16", "pp", False), (128, "fp16", "pp", False),
+                           (128, "bf16", "overlap", False), (64, "bf16", "one", True), (128, "fp16", "ws", True),
+                           (128, "bf16", "pp", True), (64, "fp16", "overlap", True), (128, "bf16", "pp128", True)):
+    ptx = compile_for_sm90(d=d, dtype=dt, variant=var, causal=causal)
+    out[f"{d} {dt} {var}{' causal' if causal else ''}"] = [
+        k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx",
+                    "wgmma.wait_group.sync.aligned 1", "div.s32", "%nctaid.y") if k in ptx]
 print(json.dumps(out))
 """
 
@@ -297,7 +300,9 @@ print(json.dumps(out))
 @pytest.mark.skipif(bool(_gluon_hopper_api()), reason=_gluon_hopper_api() or "ok")
 def test_gluon_forward_compiles_for_sm90():
     """Triton's compiler, no GPU: TTGIR, PTX and a cubin for sm_90, in a child process with the interpreter off
-    (Triton decides between its interpreter and its compiler when a kernel is decorated)."""
+    (Triton decides between its interpreter and its compiler when a kernel is decorated). Every variant, non-causal
+    and causal; GQA is a runtime argument (the KV head is (b*H + h) // group: one integer division in every
+    variant)."""
     import json
     import os
     import subprocess
@@ -307,10 +312,15 @@ def test_gluon_forward_compiles_for_sm90():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     found = json.loads(r.stdout.strip().splitlines()[-1])
-    want = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx"]
-    overlap = want + ["wgmma.wait_group.sync.aligned 1"]       # waits for S_j while P_{j-1} V_{j-1} still runs
+    want = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx", "div.s32"]
+    overlap = want[:4] + ["wgmma.wait_group.sync.aligned 1", "div.s32"]   # waits for S_j while P_{j-1} V_{j-1} runs
+    heavy_first = ["%nctaid.y"]                           # causal: the query block is counted from the grid's end
     assert found == {"64 bf16 one": want, "128 fp16 one": want, "64 fp16 ws": want, "128 bf16 ws": want,
-                     "64 bf16 pp": overlap, "128 fp16 pp": overlap, "128 bf16 overlap": overlap}, found
+                     "64 bf16 pp": overlap, "128 fp16 pp": overlap, "128 bf16 overlap": overlap,
+                     "64 bf16 one causal": want + heavy_first, "128 fp16 ws causal": want + heavy_first,
+                     "128 bf16 pp causal": overlap + heavy_first,
+                     "64 fp16 overlap causal": overlap + heavy_first,
+                     "128 bf16 pp128 causal": overlap + heavy_first}, found
 
 
 def _kernel_waits(fn_name):
@@ -332,10 +342,10 @@ def _kernel_waits(fn_name):
 def test_the_warp_specialised_kernels_waits_follow_the_simulated_rule():
     """The Gluon kernel cannot run here, but its barrier schedule can: its producer's and consumer's parity
     expressions, as written in the kernel, run through the simulator for many ring sizes and tile counts."""
-    prod, cons = _kernel_waits("_ws_producer"), _kernel_waits("_ws_consumer")
+    prod, cons = _kernel_waits("_ws_producer"), _kernel_waits("_tiles_sync")   # "ws"'s consumer runs _tiles_sync
     assert set(prod) == {"empty"} and set(cons) == {"full"}
-    single = _kernel_waits("_attn_fwd")
-    assert set(single) == {"full"}
+    single = _kernel_waits("_tiles_sync")                 # so does "one" (REFILL: it refills the stages itself)
+    assert set(single) == {"full"} and not _kernel_waits("_attn_fwd") and not _kernel_waits("_ws_consumer")
 
     def kernel_schedule(num_tiles, num_stages, num_consumers):
         producer = []
@@ -357,8 +367,10 @@ def test_the_warp_specialised_kernels_waits_follow_the_simulated_rule():
 def test_the_pingpong_kernels_waits_follow_the_simulated_rule():
     """_attn_fwd_pp: its producer and both consumer warpgroups wait with the rule's parities (two consumers, a
     stage freed only after both released it), and each warpgroup's k-th turn waits parity k % 2."""
-    prod, cons = _kernel_waits("_pp_producer"), _kernel_waits("_pp_consumer")
+    prod, cons = _kernel_waits("_pp_producer"), _kernel_waits("_pp_tiles")        # tiles 1.. in _pp_tiles
     assert set(prod) == {"empty"} and set(cons) == {"full", "turn"}
+    tile0 = _kernel_waits("_pp_consumer")                 # tile 0, peeled (no P V before it), waits parity 0 on both
+    assert set(tile0) == {"full", "turn"} and tile0["full"](0, 3) == cons["full"](0, 3) == 0 == tile0["turn"](0, 3)
 
     def kernel_schedule(num_tiles, num_stages, num_consumers):
         out = {"producer": [op for j in range(num_tiles) for op in
@@ -388,13 +400,16 @@ def _gluon_module():
     ("3d q", {}, ValueError, "q must be [B, H, N, d]"),
     ("float32", {}, TypeError, "bfloat16 or float16"),
     ("mixed dtypes", {}, TypeError, "must share a dtype"),
-    ("other heads", {}, ValueError, "no GQA"),
+    ("3 KV heads for 2", {}, ValueError, "H = 2 query heads must be a multiple of Hkv = 3 KV heads"),
+    ("other batch", {}, ValueError, "k must be [B, Hkv, Nk, d] = [1, Hkv, Nk, 64]"),
     ("v shape", {}, ValueError, "v must have k's shape"),
     ("d = 32", {}, ValueError, "must be one of 64, 128"),
     ("Nk = 0", {}, ValueError, "at least one query and one key"),
     ("cpu", {}, ValueError, "needs an sm_90 GPU"),
-    ("cpu", {"variant": "pingpong"}, ValueError, "variant must be one of one, ws, overlap, pp"),
+    ("cpu", {"variant": "pingpong"}, ValueError, "variant must be one of one, ws, overlap, pp, pp128"),
     ("cpu", {"sm_scale": "0.1"}, TypeError, "sm_scale must be a Python number"),
+    ("cpu", {"causal": True, "align": "bottom-right"}, ValueError, "align must be 'top_left' or 'bottom_right'"),
+    ("3 KV heads for 2", {"causal": True}, ValueError, "must be a multiple of Hkv"),
 ])
 def test_gluon_forward_says_what_is_wrong_before_any_gpu_work(args, kwargs, err, words):
     import torch
@@ -402,7 +417,9 @@ def test_gluon_forward_says_what_is_wrong_before_any_gpu_work(args, kwargs, err,
     bf = dict(dtype=torch.bfloat16)
     q, k, v = (torch.zeros(1, 2, 8, 64, **bf) for _ in range(3))
     inputs = {"list q": ([[0.0]], k, v), "3d q": (q[0], k, v), "float32": (q.float(), k.float(), v.float()),
-              "mixed dtypes": (q, k.half(), v), "other heads": (q, torch.zeros(1, 1, 8, 64, **bf), v),
+              "mixed dtypes": (q, k.half(), v),
+              "3 KV heads for 2": (q, torch.zeros(1, 3, 8, 64, **bf), torch.zeros(1, 3, 8, 64, **bf)),
+              "other batch": (q, torch.zeros(2, 2, 8, 64, **bf), torch.zeros(2, 2, 8, 64, **bf)),
               "v shape": (q, k, torch.zeros(1, 2, 9, 64, **bf)),
               "d = 32": tuple(torch.zeros(1, 2, 8, 32, **bf) for _ in range(3)),
               "Nk = 0": (q, torch.zeros(1, 2, 0, 64, **bf), torch.zeros(1, 2, 0, 64, **bf)), "cpu": (q, k, v)}[args]

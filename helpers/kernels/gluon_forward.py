@@ -6,10 +6,20 @@ once with the TMA, then streams K_j, V_j through a ring of ``NUM_STAGES`` shared
 mbarrier (``full[s]``): tile j waits on stage ``j % NUM_STAGES`` with phase parity ``(j // NUM_STAGES) % 2``, the
 rule lesson 11's exercise and simulator teach. The same warps issue the loads and compute on them (no warp
 specialisation yet), so a stage is refilled only after both GEMMs that read it have completed; the loads of the
-next ``NUM_STAGES - 1`` tiles are in flight while a tile is computed. Non-causal, d = 64 or 128, bf16 or fp16,
-ragged N and Nk. Returns ``(O, lse)`` like ``flash_attn_triton`` (lse in natural log, float32).
+next ``NUM_STAGES - 1`` tiles are in flight while a tile is computed. d = 64 or 128, bf16 or fp16, ragged N and Nk,
+GQA (k, v may have fewer heads than q: the KV descriptor's row offset is the KV head's). Returns ``(O, lse)`` like
+``flash_attn_triton`` (lse in natural log, float32).
 
-Three more variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
+Causal (``causal=True``, ``align`` "top_left" or "bottom_right", ``flash_attn_triton``'s rule: row i sees key j when
+j <= i + diag): a program visits key tiles only up to its last row's diagonal (``_n_tiles``), the tiles every row sees
+in full go through the loop with no mask, and only the tiles on the diagonal band and the ragged last tile are
+masked, with ``where`` on the S tile in registers (``_n_free``, ``_softmax_tile``; the ``CAUSAL`` and ``MASK``
+constexprs). The grid is (B·H, query blocks) read backwards, so the heaviest query blocks launch first. Where a
+producer and consumers share the ring, the kernel computes ``n_tiles`` once per program and hands the same value to
+each partition: the barriers' phase rule is unchanged, only the number of laps differs between programs. A row that
+sees no key gets O = 0 and lse = -inf.
+
+More variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
 * ``"ws"``, ``_attn_fwd_ws``: FA3's split with ``gl.warp_specialize``, a producer warp that only issues TMA loads and
   one consumer partition, full and empty barriers per stage (lesson 11's schedule with one consumer). It adds
   hand-overs but overlaps no softmax with the tensor cores.
@@ -17,20 +27,23 @@ Three more variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
   CTA's 128 query rows (empty barriers expect two releases). Each warpgroup issues S_j = Q K_jᵀ and P_{j-1} V_{j-1}
   asynchronously, waits for S_j alone and runs tile j's softmax while P_{j-1} V_{j-1} is on the tensor cores (FA3's
   intra-warpgroup overlap, Algorithm 2). ``"pp"`` adds ping-pong: the warpgroups take turns to issue their GEMMs
-  (two mbarriers, ``turn``; FA3 uses named barriers), so one's softmax runs under the other's GEMMs.
+  (two mbarriers, ``turn``; FA3 uses named barriers), so one's softmax runs under the other's GEMMs. ``"pp128"`` is
+  ``"pp"`` with 128 rows per warpgroup (CTA 256 rows), FA3's tile for d = 128 (``PP128_BLOCKS``; compiled only).
 
-Measured on an H200 (2026-12-01, ``bench/results/gluon_h200.json``): ``"one"`` and ``"ws"`` correct in 20 of 20
-harsh cases each; ``"one"`` 0.91-1.03x the course's Triton forward, ``"ws"`` 0.74-0.80x. ``"overlap"`` and ``"pp"``
-compile for sm_90 (Triton 3.6 and 3.9) but have not run natively yet: no claim about their speed is made here.
+Measured on an H200 (2026-12-01, non-causal, before causal and GQA came in; ``bench/results/gluon_h200.json`` and
+``gluon_h200_variants.json``): ``"one"`` and ``"ws"`` correct in 20 of 20 harsh cases each, ``"one"`` 0.91-1.03x the
+course's Triton forward, ``"ws"`` 0.74-0.80x; ``"overlap"`` and ``"pp"`` correct in 20 of 20 each, at d = 128,
+N = 16384 ``"pp"`` 531 TFLOP/s bf16 (the Triton forward 532, cuDNN 570). The causal and GQA paths compile for sm_90
+(Triton 3.6 and 3.9) and have not run natively yet: no claim about their speed or correctness is made here.
 Written against Gluon as shipped in Triton 3.6 (``triton.experimental.gluon``; it also compiles under 3.9, where the
 TMA load is named ``async_load``). Nothing here runs under Triton's interpreter.
 
-On an sm_90 GPU: ``python -m helpers.kernels.gluon_forward [--variant one|ws|overlap|pp]``
+On an sm_90 GPU: ``python -m helpers.kernels.gluon_forward [--variant one|ws|overlap|pp|pp128] [--causal]``
 (``gluon_forward_selftest()``, one line per case; ``--warp-specialize`` is ``--variant ws``), and
 ``bench/bench_gluon.py --variant ...`` for the timings. ``gluon_forward`` checks its inputs on the host first
 (TypeError/ValueError; a CPU tensor: "needs an sm_90 GPU").
-Without one: ``compile_for_sm90(d, dtype, variant=...)`` compiles a variant for sm_90 (TTGIR, PTX, a cubin through
-the ptxas in Triton's wheel; no GPU needed) and returns the PTX.
+Without one: ``compile_for_sm90(d, dtype, variant=..., causal=...)`` compiles a variant for sm_90 (TTGIR, PTX, a
+cubin through the ptxas in Triton's wheel; no GPU needed) and returns the PTX.
 """
 from __future__ import annotations
 
@@ -42,9 +55,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .common import LN2, LOG2E
+from .common import LN2, LOG2E, _check_dense_kv
 
-__all__ = ["gluon_forward", "gluon_forward_selftest", "compile_for_sm90", "BLOCKS", "PP_BLOCKS", "VARIANTS"]
+__all__ = ["gluon_forward", "gluon_forward_selftest", "compile_for_sm90", "BLOCKS", "PP_BLOCKS", "PP128_BLOCKS",
+           "VARIANTS"]
 
 # The TMA load's name: async_copy_global_to_shared in Triton 3.6 (the GPU machine's), async_load from 3.7 on.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -54,15 +68,126 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 BLOCKS = {64: (128, 128, 2), 128: (128, 64, 2)}
 
 
+# ------------------------------------------------------------------ pieces every variant shares
 @gluon.jit
-def _attn_fwd(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
+def _program_ids(CAUSAL: gl.constexpr):
+    """(query block, batch·head) of this program. Non-causal: grid (query blocks, B*H). Causal: grid (B*H, query
+    blocks) read backwards, so that every head's last query blocks, which visit the most key tiles, launch first and
+    the light ones fill in behind them."""
+    if CAUSAL:
+        start_m = gl.num_programs(1) - 1 - gl.program_id(1)
+        off_bh = gl.program_id(0)
+    else:
+        start_m = gl.program_id(0)
+        off_bh = gl.program_id(1)
+    return start_m, off_bh
+
+
+@gluon.jit
+def _n_tiles(last_row, Nk, diag, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """How many key tiles a program visits: all of them, or (causal) up to its last row's diagonal (row i sees key c
+    when c <= i + diag). At least one: a program whose rows see nothing masks all of tile 0. The producer and the
+    consumers must agree on this number or the ring's barriers deadlock: the kernel computes it once, from the
+    program's last row (below N), and hands the same value to every partition."""
+    n_keys = Nk
+    if CAUSAL:
+        n_keys = gl.minimum(n_keys, last_row + diag + 1)         # keys the last row sees
+    return gl.cdiv(gl.maximum(n_keys, 1), BLOCK_N)
+
+
+@gluon.jit
+def _n_free(first_row, Nk, diag, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Tiles [0, this) need no mask: all their keys are < Nk and (causal) on or left of first_row's diagonal, so of
+    every row's. The tiles after them, up to n_tiles, are the masked ones: the diagonal band and the ragged last."""
+    n = Nk // BLOCK_N
+    if CAUSAL:
+        n = gl.minimum(n, gl.maximum(first_row + diag + 1, 0) // BLOCK_N)
+    return n
+
+
+@gluon.jit
+def _softmax_tile(qk, m_i, l_i, j, offs_m, offs_n, Nk, diag, qk_scale,
+                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """The online softmax of key tile j. qk = Q K_j^T [BLOCK_M, BLOCK_N] fp32, unscaled; m_i, l_i [BLOCK_M]; offs_m
+    [BLOCK_M] the rows' indices in the sequence, offs_n [BLOCK_N] 0..BLOCK_N-1. With MASK, key c of row i counts
+    when c < Nk and (causal) c <= i + diag; the others become -inf in registers. Returns (p, alpha, m_new, l_new)."""
+    if MASK:
+        cols = j * BLOCK_N + offs_n                              # [BLOCK_N] key indices
+        keep = (cols < Nk)[None, :]                              # keys past Nk: the next head's, or TMA's zeros
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None] + diag)      # [BLOCK_M, BLOCK_N]
+        qk = gl.where(keep, qk * qk_scale, float("-inf"))        # [BLOCK_M, BLOCK_N] base-2 units
+        m_new = gl.maximum(m_i, gl.max(qk, 1))                   # [BLOCK_M]
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)     # a row that saw no key yet: P = 0, alpha = 0, no NaN
+        p = gl.exp2(qk - m_use[:, None])                         # [BLOCK_M, BLOCK_N]
+    else:
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)        # [BLOCK_M] finite: every key counts
+        m_use = m_new
+        p = gl.exp2(qk * qk_scale - m_use[:, None])              # [BLOCK_M, BLOCK_N], one FMA and exp2 per score
+    alpha = gl.exp2(m_i - m_use)                                 # [BLOCK_M]
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _store_rows(O, LSE, acc, m_i, l_i, off_bh, first_row, N, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                o_layout: gl.constexpr):
+    """The epilogue of BLOCK_M rows from first_row: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets
+    O = 0, lse = -inf. Rows past N are not stored (they belong to the next head)."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    l_o = gl.convert_layout(l_i, row_o)                          # [BLOCK_M]
+    seen = l_o > 0.0
+    acc = acc / gl.where(seen, l_o, 1.0)[:, None]                # [BLOCK_M, HEAD_DIM]
+    lse = gl.where(seen, (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * LN2, float("-inf"))   # [BLOCK_M]
+    offs_m = first_row + gl.arange(0, BLOCK_M, layout=row_o)    # [BLOCK_M] rows of this head
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
+    row_ok = offs_m < N
+    gl.store(O + (off_bh * N + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], acc.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    gl.store(LSE + off_bh * N + offs_m, lse, mask=row_ok)
+
+
+@gluon.jit
+def _tiles_sync(lo, hi, q_smem, k_smem, v_smem, full, empty, k_desc, v_desc, kv_row, n_tiles, acc, m_i, l_i, s_zero,
+                offs_m, offs_n, Nk, diag, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr,
+                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                REFILL: gl.constexpr):
+    """Key tiles [lo, hi) of the partition that computes, both GEMMs synchronous. REFILL ("one"): it refills the
+    stage it just read with the tile one lap ahead itself (``empty`` unused); else ("ws"'s consumer) it releases the
+    stage to the producer warp (``k_desc``, ``v_desc`` unused)."""
+    dtype: gl.constexpr = q_smem.dtype
+    for j in range(lo, hi):
+        s = j % NUM_STAGES                                       # stage of tile j
+        mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # lap r waits parity r%2
+        k_tile = k_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
+        v_tile = v_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
+        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N] fp32
+        p, alpha, m_i, l_i = _softmax_tile(qk, m_i, l_i, j, offs_m, offs_n, Nk, diag, qk_scale, BLOCK_N, MASK, CAUSAL)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)          # [BLOCK_M, BLOCK_N] as wgmma's A operand
+        acc = warpgroup_mma(p_op, v_tile, acc)                   # [BLOCK_M, HEAD_DIM]; synchronous: stage s is free
+        if REFILL:
+            nxt = j + NUM_STAGES                                 # refill stage s with the tile one lap ahead
+            if nxt < n_tiles:
+                mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                _tma_load(k_desc, [kv_row + nxt * BLOCK_N, 0], full.index(s), k_tile)
+                _tma_load(v_desc, [kv_row + nxt * BLOCK_N, 0], full.index(s), v_tile)
+        else:
+            mbarrier.arrive(empty.index(s), count=1)             # both GEMMs done reading stage s: release it
+    return acc, m_i, l_i
+
+
+# ------------------------------------------------------------------ "one": the same warps load and compute
+@gluon.jit
+def _attn_fwd(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    start_m = gl.program_id(0)                                   # which query block
-    off_bh = gl.program_id(1)                                    # which (batch, head)
+    start_m, off_bh = _program_ids(CAUSAL)                       # which query block, which (batch, head)
     q_row = off_bh * N + start_m * BLOCK_M                       # first row of this block in q viewed [B*H*N, d]
-    kv_row = off_bh * Nk                                         # first key of this head in k viewed [B*H*Nk, d]
+    kv_row = (off_bh // group) * Nk                              # first key of its KV head in k viewed [B*Hkv*Nk, d]
+    n_tiles = _n_tiles(gl.minimum(start_m * BLOCK_M + BLOCK_M, N) - 1, Nk, diag, BLOCK_N, CAUSAL)
+    n_free = gl.minimum(_n_free(start_m * BLOCK_M, Nk, diag, BLOCK_N, CAUSAL), n_tiles)
 
     # wgmma layouts: S = Q K^T is [BLOCK_M, BLOCK_N], acc = P V is [BLOCK_M, HEAD_DIM]; one warp per 16 rows
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -85,13 +210,11 @@ def _attn_fwd(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
         mbarrier.init(full.index(i), count=1)
     fence_async_shared()                                         # the barriers' init before the TMA sees them
 
-    kv_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-    n_tiles = gl.cdiv(Nk, BLOCK_N)
-    mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [q_row, 0], q_bar, q_smem)
     for i in gl.static_range(NUM_STAGES):                        # prologue: fill the ring, tile i into stage i
         if i < n_tiles:
-            mbarrier.expect(full.index(i), kv_bytes)
+            mbarrier.expect(full.index(i), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             _tma_load(k_desc, [kv_row + i * BLOCK_N, 0], full.index(i), k_smem.index(i))
             _tma_load(v_desc, [kv_row + i * BLOCK_N, 0], full.index(i), v_smem.index(i))
 
@@ -99,44 +222,21 @@ def _attn_fwd(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)                 # running sum of exp2
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)    # running numerator
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)    # [BLOCK_M] rows of this head
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)                        # [BLOCK_N]
     mbarrier.wait(q_bar, 0)
-
-    for j in range(n_tiles):
-        s = j % NUM_STAGES                                       # stage of tile j
-        mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # parity flips each lap of the ring
-        k_tile = k_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
-        v_tile = v_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
-        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N] fp32
-        keep = (j * BLOCK_N + offs_n) < Nk                       # keys past Nk: the next head's, or TMA's zeros
-        qk = gl.where(keep[None, :], qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))                   # [BLOCK_M] finite: tile j holds a key
-        p = gl.exp2(qk - m_new[:, None])                         # [BLOCK_M, BLOCK_N]
-        alpha = gl.exp2(m_i - m_new)                             # [BLOCK_M]
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)          # [BLOCK_M, BLOCK_N] as wgmma's A operand
-        acc = warpgroup_mma(p_op, v_tile, acc)                   # [BLOCK_M, HEAD_DIM]; synchronous: stage s is free
-        m_i = m_new
-        nxt = j + NUM_STAGES                                     # refill stage s with the tile one lap ahead
-        if nxt < n_tiles:
-            mbarrier.expect(full.index(s), kv_bytes)
-            _tma_load(k_desc, [kv_row + nxt * BLOCK_N, 0], full.index(s), k_tile)
-            _tma_load(v_desc, [kv_row + nxt * BLOCK_N, 0], full.index(s), v_tile)
+    # off-band tiles, no mask; then the band (causal) and the ragged last tile, masked
+    acc, m_i, l_i = _tiles_sync(0, n_free, q_smem, k_smem, v_smem, full, None, k_desc, v_desc, kv_row, n_tiles,
+                                acc, m_i, l_i, s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o,
+                                BLOCK_N, NUM_STAGES, False, CAUSAL, True)
+    acc, m_i, l_i = _tiles_sync(n_free, n_tiles, q_smem, k_smem, v_smem, full, None, k_desc, v_desc, kv_row, n_tiles,
+                                acc, m_i, l_i, s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o,
+                                BLOCK_N, NUM_STAGES, True, CAUSAL, True)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(full.index(i))
-
-    # epilogue: O = acc / l, lse = (m + log2 l) ln 2; rows past N are not stored (they belong to the next head)
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)     # [BLOCK_M] rows of this head
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [HEAD_DIM]
-    row_ok = offs_m < N
-    o_ptrs = O + (off_bh * N + offs_m)[:, None] * HEAD_DIM + offs_d[None, :]
-    gl.store(o_ptrs, acc.to(dtype), mask=row_ok[:, None])
-    lse = gl.convert_layout((m_i + gl.log2(l_i)) * LN2, row_o)
-    gl.store(LSE + off_bh * N + offs_m, lse, mask=row_ok)
+    _store_rows(O, LSE, acc, m_i, l_i, off_bh, start_m * BLOCK_M, N, HEAD_DIM, BLOCK_M, o_layout)
 
 
 # ------------------------------------------------------------------ FA3's split: a producer warp, a consumer partition
@@ -155,11 +255,10 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, em
 
 
 @gluon.jit
-def _ws_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, n_tiles, Nk, qk_scale,
+def _ws_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, first_row, n_free, n_tiles, Nk, diag, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 num_warps: gl.constexpr):
-    """The compute warps: wait for tile j's stage, both GEMMs and the online softmax, release the stage."""
-    dtype: gl.constexpr = q_smem.dtype
+                 CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    """The compute warps: for each tile, wait for its stage, both GEMMs and the online softmax, release the stage."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -171,35 +270,28 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, n_tiles, Nk, qk_sca
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)                 # running sum of exp2
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)    # running numerator
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_m = first_row + gl.arange(0, BLOCK_M, layout=row_s)            # [BLOCK_M] rows of this head
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
     mbarrier.wait(q_bar, 0)
-    for j in range(n_tiles):
-        s = j % NUM_STAGES
-        mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # lap r waits parity r%2
-        qk = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N]
-        keep = (j * BLOCK_N + offs_n) < Nk
-        qk = gl.where(keep[None, :], qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
-        p = gl.exp2(qk - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(s), acc)   # synchronous
-        mbarrier.arrive(empty.index(s), count=1)                 # both GEMMs done reading stage s: release it
-        m_i = m_new
+    acc, m_i, l_i = _tiles_sync(0, n_free, q_smem, k_smem, v_smem, full, empty, None, None, 0, n_tiles,
+                                acc, m_i, l_i, s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o,
+                                BLOCK_N, NUM_STAGES, False, CAUSAL, False)
+    acc, m_i, l_i = _tiles_sync(n_free, n_tiles, q_smem, k_smem, v_smem, full, empty, None, None, 0, n_tiles,
+                                acc, m_i, l_i, s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o,
+                                BLOCK_N, NUM_STAGES, True, CAUSAL, False)
     return acc, l_i, m_i
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
+def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    start_m = gl.program_id(0)
-    off_bh = gl.program_id(1)
+    start_m, off_bh = _program_ids(CAUSAL)
     q_row = off_bh * N + start_m * BLOCK_M
-    kv_row = off_bh * Nk
-    n_tiles = gl.cdiv(Nk, BLOCK_N)
+    kv_row = (off_bh // group) * Nk                              # its KV head (GQA): b * Hkv + h // group
+    n_tiles = _n_tiles(gl.minimum(start_m * BLOCK_M + BLOCK_M, N) - 1, Nk, diag, BLOCK_N, CAUSAL)   # one count for both
+    n_free = gl.minimum(_n_free(start_m * BLOCK_M, Nk, diag, BLOCK_N, CAUSAL), n_tiles)
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -213,8 +305,8 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
     fence_async_shared()
 
     acc, l_i, m_i = gl.warp_specialize([
-        (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, n_tiles, Nk, qk_scale,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)),
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, start_m * BLOCK_M, n_free, n_tiles, Nk, diag,
+                        qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, num_warps)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
                         BLOCK_N, NUM_STAGES)),
     ], [1], [24])
@@ -225,14 +317,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
         mbarrier.invalidate(empty.index(i))
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    row_ok = offs_m < N
-    gl.store(O + (off_bh * N + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], acc.to(dtype), mask=row_ok[:, None])
-    lse = gl.convert_layout((m_i + gl.log2(l_i)) * LN2, row_o)
-    gl.store(LSE + off_bh * N + offs_m, lse, mask=row_ok)
+    _store_rows(O, LSE, acc, m_i, l_i, off_bh, start_m * BLOCK_M, N, HEAD_DIM, BLOCK_M, o_layout)
 
 
 # ------------------------------------------------------------------ FA3's ping-pong and intra-warpgroup overlap
@@ -244,6 +329,12 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
 # GEMMs. (BLOCK_M, BLOCK_N, NUM_STAGES) per head dim: BLOCK_M rows per warpgroup; shared memory for bf16 at d = 128:
 # Q 2 x 16 KiB + 3 stages x (K + V) 2 x 16 KiB = 128 KiB.
 PP_BLOCKS = {64: (64, 128, 3), 128: (64, 64, 3)}
+# "pp128": each consumer warpgroup owns 128 rows (CTA 256 rows), FA3's tile for d = 128, with the consumers' registers
+# raised to 240 each by warp_specialize (the producer warp keeps 24): acc alone is 128 fp32 registers a thread at
+# d = 128. Shared memory for bf16 at d = 128: Q 2 x 32 KiB + 2 stages x (K + V) 2 x 16 KiB = 128 KiB. ptxas (Triton
+# 3.6, sm_90a) reports no spills at d = 64 and ~0.4-0.5 KiB of spill stores a thread at d = 128 (more with
+# BLOCK_N = 128 or 3 stages): compiled, not yet run.
+PP128_BLOCKS = {64: (128, 64, 3), 128: (128, 64, 2)}
 
 
 @gluon.jit
@@ -263,40 +354,12 @@ def _pp_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, em
 
 
 @gluon.jit
-def _pp_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, n_tiles, qk_scale,
-                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): rows m_row + WG * BLOCK_M of this head, every KV tile, its own epilogue."""
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_tile = q_smem.index(WG)                                    # [BLOCK_M, HEAD_DIM], this warpgroup's rows
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)    # running numerator
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
-    if PINGPONG:
-        if WG == 1:
-            mbarrier.arrive(turn.index(0), count=1)              # warpgroup 0 takes the first turn
-    mbarrier.wait(q_bar, 0)
-
-    # tile 0: S_0 alone (no P V yet), then its softmax
-    mbarrier.wait(full.index(0), 0)
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), 0)                         # turn k waits parity k % 2
-    qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N]
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)             # the other warpgroup's turn
-    qk = gl.where((offs_n < Nk)[None, :], qk * qk_scale, float("-inf"))
-    m_i = gl.max(qk, 1)                                          # [BLOCK_M] running max (base 2), finite
-    p = gl.exp2(qk - m_i[:, None])                               # [BLOCK_M, BLOCK_N]
-    l_i = gl.sum(p, 1)                                           # [BLOCK_M] running sum of exp2
-    p_op = gl.convert_layout(p.to(dtype), p_layout)              # P_0 as wgmma's A operand
-
-    for j in range(1, n_tiles):
+def _pp_tiles(lo, hi, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i, l_i, s_zero, offs_m, offs_n, Nk,
+              diag, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tiles [lo, hi), lo >= 1, of one consumer warpgroup: p_op holds P_{lo-1}, whose P V is still to do."""
+    dtype: gl.constexpr = k_smem.dtype
+    for j in range(lo, hi):
         s = j % NUM_STAGES                                       # stage of tile j
         sp = (j - 1) % NUM_STAGES                                # stage of tile j - 1 (its V is still needed)
         mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # lap r waits parity r%2
@@ -307,42 +370,80 @@ def _pp_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_b
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(1, deps=(qk,))                   # S_j done; P_{j-1} V_{j-1} may still run
-        keep = (j * BLOCK_N + offs_n) < Nk                       # keys past Nk: the next head's, or TMA's zeros
-        qk = gl.where(keep[None, :], qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))                   # the softmax of tile j, under the P V GEMM
-        p = gl.exp2(qk - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)                             # [BLOCK_M]
-        l_i = l_i * alpha + gl.sum(p, 1)
+        # the softmax of tile j, under the P V GEMM
+        p, alpha, m_i, l_i = _softmax_tile(qk, m_i, l_i, j, offs_m, offs_n, Nk, diag, qk_scale, BLOCK_N, MASK, CAUSAL)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))      # P_{j-1} V_{j-1} done: acc in base m_{j-1}
         mbarrier.arrive(empty.index(sp), count=1)                # both GEMMs that read stage sp are done
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]     # now in base m_j
-        m_i = m_new
         p_op = gl.convert_layout(p.to(dtype), p_layout)
+    return acc, p_op, m_i, l_i
+
+
+@gluon.jit
+def _pp_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, diag, n_tiles,
+                 qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): rows m_row + WG * BLOCK_M of this head, all n_tiles key tiles of the CTA (the
+    producer's count: causal, warpgroup 0's last tiles may lie past its own rows' diagonal and be masked whole), its
+    own epilogue."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    first_row = m_row + WG * BLOCK_M                             # this warpgroup's first row in the head
+    q_tile = q_smem.index(WG)                                    # [BLOCK_M, HEAD_DIM], this warpgroup's rows
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)    # running numerator
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_m = first_row + gl.arange(0, BLOCK_M, layout=row_s)            # [BLOCK_M] rows of this head
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
+    n_free = gl.minimum(_n_free(first_row, Nk, diag, BLOCK_N, CAUSAL), n_tiles)   # this warpgroup's unmasked tiles
+    if PINGPONG:
+        if WG == 1:
+            mbarrier.arrive(turn.index(0), count=1)              # warpgroup 0 takes the first turn
+    mbarrier.wait(q_bar, 0)
+
+    # tile 0: S_0 alone (no P V yet), then its softmax, masked (it may be on the band)
+    mbarrier.wait(full.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), 0)                         # turn k waits parity k % 2
+    qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N]
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)             # the other warpgroup's turn
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)   # running max (base 2)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)                 # running sum of exp2
+    p, alpha, m_i, l_i = _softmax_tile(qk, m_i, l_i, 0, offs_m, offs_n, Nk, diag, qk_scale, BLOCK_N, True, CAUSAL)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)              # P_0 as wgmma's A operand
+
+    # tiles 1.. : off-band, no mask; then the band (causal) and the ragged last tile, masked
+    lo = gl.maximum(n_free, 1)
+    acc, p_op, m_i, l_i = _pp_tiles(1, lo, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i, l_i, s_zero,
+                                    offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o, WG, BLOCK_N, NUM_STAGES,
+                                    PINGPONG, False, CAUSAL)
+    acc, p_op, m_i, l_i = _pp_tiles(lo, n_tiles, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i, l_i,
+                                    s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o, WG, BLOCK_N,
+                                    NUM_STAGES, PINGPONG, True, CAUSAL)
 
     last = (n_tiles - 1) % NUM_STAGES
     acc = warpgroup_mma(p_op, v_smem.index(last), acc)           # P_{T-1} V_{T-1}, synchronous
     mbarrier.arrive(empty.index(last), count=1)
-
-    # epilogue: O = acc / l, lse = (m + log2 l) ln 2; rows past N are not stored (they belong to the next head)
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    offs_m = m_row + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)  # [BLOCK_M] rows of this head
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    row_ok = offs_m < N
-    gl.store(O + (off_bh * N + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], acc.to(dtype), mask=row_ok[:, None])
-    lse = gl.convert_layout((m_i + gl.log2(l_i)) * LN2, row_o)
-    gl.store(LSE + off_bh * N + offs_m, lse, mask=row_ok)
+    _store_rows(O, LSE, acc, m_i, l_i, off_bh, first_row, N, HEAD_DIM, BLOCK_M, o_layout)
 
 
 @gluon.jit
-def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
+def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    m_row = gl.program_id(0) * (2 * BLOCK_M)                     # first row of this CTA's 2 x BLOCK_M query rows
-    off_bh = gl.program_id(1)
+    start_m, off_bh = _program_ids(CAUSAL)
+    m_row = start_m * (2 * BLOCK_M)                              # first row of this CTA's 2 x BLOCK_M query rows
     q_row = off_bh * N + m_row                                   # in q viewed [B*H*N, d]
-    kv_row = off_bh * Nk
-    n_tiles = gl.cdiv(Nk, BLOCK_N)
+    kv_row = (off_bh // group) * Nk                              # its KV head (GQA): b * Hkv + h // group
+    # one tile count for the producer and both warpgroups, from the CTA's last row: they wait on the same stages
+    n_tiles = _n_tiles(gl.minimum(m_row + 2 * BLOCK_M, N) - 1, Nk, diag, BLOCK_N, CAUSAL)
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -359,10 +460,10 @@ def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, qk_scale,
     fence_async_shared()
 
     gl.warp_specialize([
-        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, n_tiles,
-                        qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG)),
-        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, n_tiles,
-                        qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG)),
+        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, diag, n_tiles,
+                        qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG, CAUSAL)),
+        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, diag, n_tiles,
+                        qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG, CAUSAL)),
         (_pp_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
                         BLOCK_M, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [240, 24])
@@ -386,14 +487,15 @@ VARIANTS = {
     "ws": "a producer warp + one consumer partition (_attn_fwd_ws)",
     "overlap": "a producer warp + two consumer warpgroups, intra-warpgroup overlap (_attn_fwd_pp, PINGPONG=False)",
     "pp": "a producer warp + two consumer warpgroups in ping-pong, intra-warpgroup overlap (_attn_fwd_pp)",
+    "pp128": "as pp, each consumer warpgroup owning 128 query rows, the CTA 256 (_attn_fwd_pp, PP128_BLOCKS)",
 }
 
 
 def _launch_spec(variant, d):
     """(kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra constexprs, query rows per CTA, num_warps) of a variant."""
-    if variant in ("overlap", "pp"):
-        bm, bn, st = PP_BLOCKS[d]
-        return _attn_fwd_pp, (bm, bn, st), {"PINGPONG": variant == "pp"}, 2 * bm, 4   # + 4 + 1 worker warps
+    if variant in ("overlap", "pp", "pp128"):
+        bm, bn, st = (PP128_BLOCKS if variant == "pp128" else PP_BLOCKS)[d]
+        return _attn_fwd_pp, (bm, bn, st), {"PINGPONG": variant != "overlap"}, 2 * bm, 4   # + 4 + 1 worker warps
     bm, bn, st = BLOCKS[d]
     return (_attn_fwd_ws if variant == "ws" else _attn_fwd), (bm, bn, st), {}, bm, bm // 16
 
@@ -410,7 +512,8 @@ def _variant(variant, warp_specialize):
 
 def _check_inputs(q, k, v, sm_scale):
     """What gluon_forward needs, checked on the host before any GPU work: three tensors, q [B, H, N, d], k and v
-    [B, H, Nk, d] (no GQA here), one dtype, bf16 or fp16, d = 64 or 128, N and Nk >= 1, on one sm_90 GPU."""
+    [B, Hkv, Nk, d] with H a multiple of Hkv (GQA), one dtype, bf16 or fp16, d = 64 or 128, N and Nk >= 1, on one
+    sm_90 GPU."""
     import torch
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -424,11 +527,10 @@ def _check_inputs(q, k, v, sm_scale):
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"gluon_forward: q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     B, H, N, d = q.shape
-    if k.shape[:2] != (B, H) or k.shape[3] != d:
-        raise ValueError(f"gluon_forward: k must be [B, H, Nk, d] = [{B}, {H}, Nk, {d}] (no GQA in this kernel), "
-                         f"got {tuple(k.shape)}")
-    if v.shape != k.shape:
-        raise ValueError(f"gluon_forward: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    try:                                         # k, v [B, Hkv, Nk, d], H % Hkv == 0: the course's check
+        _check_dense_kv(q, k, v)
+    except ValueError as e:
+        raise ValueError(f"gluon_forward: {e}") from None
     if d not in BLOCKS:
         raise ValueError(f"gluon_forward: head dimension d must be one of {', '.join(map(str, sorted(BLOCKS)))}; "
                          f"got {d}")
@@ -448,24 +550,41 @@ def _check_inputs(q, k, v, sm_scale):
                          f"is sm_{cap[0]}{cap[1]}")
 
 
-def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None):
-    """(O, lse) of non-causal attention: q ``[B, H, N, d]``, k, v ``[B, H, Nk, d]`` on an sm_90 GPU, bf16 or fp16,
-    d = 64 or 128. O has q's dtype, lse is float32 in natural log. ``variant`` (``VARIANTS``): ``"one"`` (default),
-    ``"ws"`` (FA3's split: a producer warp that only loads and the compute warps, handing stages over through
-    full/empty barriers; ``warp_specialize=True`` says the same), ``"overlap"`` (a producer warp and two consumer
-    warpgroups, each issuing the next QK^T before this tile's softmax) and ``"pp"`` (those warpgroups also take turns
-    on the tensor cores: FA3's ping-pong). ``"overlap"`` and ``"pp"`` compile for sm_90 but have not run natively yet.
+def _check_align(align):
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"gluon_forward: align must be 'top_left' or 'bottom_right', got {align!r}")
+
+
+def _diag(causal, align, N, Nk):
+    """Causal: row i sees key j when j <= i + diag; diag = 0 for "top_left" (SDPA's is_causal), Nk - N for
+    "bottom_right" (the FlashAttention library's: the last query sees every key), as in flash_attn_triton."""
+    _check_align(align)
+    return (Nk - N) if (causal and align == "bottom_right") else 0
+
+
+def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, causal=False, align="top_left"):
+    """(O, lse) of attention: q ``[B, H, N, d]``, k, v ``[B, Hkv, Nk, d]`` (H a multiple of Hkv: query head h reads
+    KV head h // (H // Hkv)) on an sm_90 GPU, bf16 or fp16, d = 64 or 128. O has q's dtype, lse is float32 in natural
+    log. ``causal``: row i sees key j when j <= i + diag, diag = 0 for ``align="top_left"``, Nk - N for
+    ``"bottom_right"`` (``flash_attn_triton``'s rule); a row that sees no key gets O = 0, lse = -inf. A program visits
+    key tiles only up to its last row's diagonal, masks only the tiles on the band, and the heaviest query blocks
+    launch first. ``variant`` (``VARIANTS``): ``"one"`` (default), ``"ws"`` (FA3's split: a producer warp that only
+    loads and the compute warps, handing stages over through full/empty barriers; ``warp_specialize=True`` says the
+    same), ``"overlap"`` (a producer warp and two consumer warpgroups, each issuing the next QK^T before this tile's
+    softmax) and ``"pp"`` (those warpgroups also take turns on the tensor cores: FA3's ping-pong).
     Raises TypeError or ValueError, before any GPU work, for inputs it cannot take."""
     import torch
     variant = _variant(variant, warp_specialize)
+    _check_align(align)
     _check_inputs(q, k, v, sm_scale)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, H, N, d = q.shape
-    Nk = k.shape[2]
+    Hkv, Nk = k.shape[1], k.shape[2]
+    diag = _diag(causal, align, N, Nk)
     kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, rows_per_cta, num_warps = _launch_spec(variant, d)
     q2 = q.contiguous().view(B * H * N, d)                       # [B*H*N, d]
-    k2 = k.contiguous().view(B * H * Nk, d)                      # [B*H*Nk, d]
-    v2 = v.contiguous().view(B * H * Nk, d)
+    k2 = k.contiguous().view(B * Hkv * Nk, d)                    # [B*Hkv*Nk, d]
+    v2 = v.contiguous().view(B * Hkv * Nk, d)
     el = _gl_dtype(q.dtype)
     q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, d], el)
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], el)
@@ -475,15 +594,17 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None):
     o = torch.empty_like(q)                                      # [B, H, N, d]
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
     qk_scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * LOG2E.value
-    grid = (triton.cdiv(N, rows_per_cta), B * H)
-    kernel[grid](q_desc, k_desc, v_desc, o, lse, N, Nk, qk_scale,
-                 HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, **extra,
+    n_blocks = triton.cdiv(N, rows_per_cta)
+    grid = (B * H, n_blocks) if causal else (n_blocks, B * H)   # causal: _program_ids reads it last block first
+    kernel[grid](q_desc, k_desc, v_desc, o, lse, N, Nk, H // Hkv, diag, qk_scale,
+                 HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=bool(causal), **extra,
                  num_warps=num_warps)
     return o, lse
 
 
-def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None):
-    """Compile one variant's kernel for sm_90 with Triton's own compiler, no GPU needed; returns the PTX."""
+def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None, causal=False):
+    """Compile one variant's kernel for sm_90 with Triton's own compiler, no GPU needed; returns the PTX. (GQA needs
+    no compile of its own: the query heads per KV head are a runtime argument.)"""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     variant = _variant(variant, warp_specialize)
@@ -494,37 +615,77 @@ def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None):
     sig = {"q_desc": f"tensordesc<{dtype}[{BLOCK_M}, {d}],{q_layout!r}>",
            "k_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
            "v_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
-           "O": f"*{dtype}", "LSE": "*fp32", "N": "i32", "Nk": "i32", "qk_scale": "fp32",
-           "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr",
-           **{name: "constexpr" for name in extra}, "num_warps": "constexpr"}
-    const = {"HEAD_DIM": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, **extra,
-             "num_warps": num_warps}
+           "O": f"*{dtype}", "LSE": "*fp32", "N": "i32", "Nk": "i32", "group": "i32", "diag": "i32",
+           "qk_scale": "fp32", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+           "NUM_STAGES": "constexpr", "CAUSAL": "constexpr", **{name: "constexpr" for name in extra},
+           "num_warps": "constexpr"}
+    const = {"HEAD_DIM": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "CAUSAL": bool(causal),
+             **extra, "num_warps": num_warps}
     src = GluonASTSource(kernel, sig, const)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     return compiled.asm["ptx"]
 
 
-def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False, variant=None, log=None):
-    """On an sm_90 GPU: one variant of the kernel (``VARIANTS``) against float64 attention on harsh shapes (ragged N
-    and Nk, N = 1, Nk = 1, large logits), bf16 and fp16, d = 64 and 128. The bound per case is 2 x SDPA's own error
-    in that dtype plus the output's rounding. A case that raises is recorded as failed (its error in ``rows``), and
-    the others still run; ``log(row)`` is called after each case. Returns {"cases", "worst" (max |O - O64|),
-    "worst_lse", "ok", "rows"}."""
+# Self-test cases (B, H, Hkv, N, Nk, causal, align): ragged N and Nk, N = 1, Nk = 1, N != Nk both ways, GQA 4:1
+# and 8:1, and causal rows that see no key (bottom_right with N > Nk: the first N - Nk rows; N = 130, Nk = 1 leaves a
+# whole 128-row program empty). N = 257 also gets large logits.
+SELFTEST_CASES = [
+    (2, 3, 3, 1000, 1000, False, "top_left"), (1, 2, 2, 1, 77, False, "top_left"), (1, 2, 2, 130, 1, False, "top_left"),
+    (2, 2, 2, 257, 1029, False, "top_left"), (1, 4, 4, 2048, 2048, False, "top_left"),
+    (2, 8, 2, 513, 700, False, "top_left"),                                         # GQA 4:1
+    (2, 3, 3, 1000, 1000, True, "top_left"), (1, 2, 2, 300, 1000, True, "top_left"),
+    (1, 2, 2, 300, 1000, True, "bottom_right"), (1, 2, 2, 1000, 300, True, "top_left"),
+    (1, 2, 2, 1000, 300, True, "bottom_right"),                                     # rows 0..699 see nothing
+    (1, 2, 2, 1, 77, True, "bottom_right"), (1, 2, 2, 130, 1, True, "bottom_right"),
+    (2, 2, 2, 257, 1029, True, "bottom_right"),
+    (1, 8, 2, 1000, 1000, True, "top_left"),                                        # GQA 4:1
+    (1, 8, 1, 777, 1000, True, "bottom_right"), (1, 16, 2, 2048, 2048, True, "top_left"),   # GQA 8:1
+]
+
+
+def _reference(q, k, v, causal, align):
+    """float64 (O, lse) of q [B, H, N, d], k, v [B, Hkv, Nk, d]; a row that sees no key: O = 0, lse = -inf."""
+    import torch
+    B, H, N, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    k64 = k.double().repeat_interleave(H // Hkv, 1)              # [B, H, Nk, d]: query head h reads KV head h // group
+    v64 = v.double().repeat_interleave(H // Hkv, 1)
+    s = (q.double() @ k64.transpose(-1, -2)) / math.sqrt(d)      # [B, H, N, Nk]
+    if causal:
+        diag = _diag(causal, align, N, Nk)
+        rows, cols = torch.arange(N, device=q.device), torch.arange(Nk, device=q.device)
+        s = s.masked_fill(cols[None, :] > rows[:, None] + diag, float("-inf"))
+    lse = torch.logsumexp(s, -1)                                  # [B, H, N], -inf where a row sees nothing
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])      # [B, H, N, Nk], 0 in such a row
+    return p @ v64, lse
+
+
+def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False, variant=None, log=None, causal=None):
+    """On an sm_90 GPU: one variant of the kernel (``VARIANTS``) against float64 attention on harsh cases
+    (``SELFTEST_CASES``: ragged N and Nk, N = 1, Nk = 1, N != Nk both ways, large logits, GQA 4:1 and 8:1, causal in
+    both alignments, rows that see no key), bf16 and fp16, d = 64 and 128. ``causal``: None runs every case, True
+    only the causal ones, False only the others; ``shapes``: other cases, (B, H, N, Nk) or the 7-tuples. The bound
+    per case is 2 x SDPA's own error in that dtype (on the rows that see a key) plus the output's rounding; rows that
+    see no key must give O = 0 exactly and lse = -inf. A case that raises is recorded as failed (its error in
+    ``rows``), and the others still run; ``log(row)`` is called after each case. Returns {"cases", "worst"
+    (max |O - O64|), "worst_lse", "ok", "rows"}."""
     import torch
     import torch.nn.functional as F
     variant = _variant(variant, warp_specialize)
     torch.manual_seed(seed)
-    shapes = shapes or [(2, 3, 1000, 1000), (1, 2, 1, 77), (1, 2, 130, 1), (2, 2, 257, 1029), (1, 4, 2048, 2048)]
+    cases = [c if len(c) == 7 else (c[0], c[1], c[1], c[2], c[3], False, "top_left") for c in shapes or SELFTEST_CASES]
+    cases = [c for c in cases if causal is None or c[5] == causal]
     rows, worst, worst_lse, ok = [], 0.0, 0.0, True
     for dt in (torch.bfloat16, torch.float16):
         for d in (64, 128):
-            for B, H, N, Nk in shapes:
-                row = dict(dtype=str(dt).replace("torch.", ""), d=d, shape=(B, H, N, Nk))
+            for B, H, Hkv, N, Nk, is_causal, align in cases:
+                row = dict(dtype=str(dt).replace("torch.", ""), d=d, shape=(B, H, Hkv, N, Nk),
+                           causal=align if is_causal else False)
                 big = 4.0 if N == 257 else 1.0                   # large logits in one shape
                 q = (torch.randn(B, H, N, d, device="cuda") * big).to(dt)
-                k, v = (torch.randn(B, H, Nk, d, device="cuda").to(dt) for _ in range(2))
+                k, v = (torch.randn(B, Hkv, Nk, d, device="cuda").to(dt) for _ in range(2))
                 try:
-                    o, lse = gluon_forward(q, k, v, variant=variant)
+                    o, lse = gluon_forward(q, k, v, variant=variant, causal=is_causal, align=align)
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 - one report for the whole run
                     ok = False
@@ -532,36 +693,45 @@ def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False, variant=N
                     if log:
                         log(rows[-1])
                     continue
-                q64, k64, v64 = q.double(), k.double(), v.double()
-                s = (q64 @ k64.transpose(-1, -2)) / math.sqrt(d)         # [B, H, N, Nk]
-                lse64 = torch.logsumexp(s, -1)
-                o64 = torch.softmax(s, -1) @ v64
-                sdpa = (F.scaled_dot_product_attention(q, k, v).double() - o64).abs().max().item()
-                err = (o.double() - o64).abs().max().item()
-                err_lse = (lse.double() - lse64).abs().max().item()
+                o64, lse64 = _reference(q, k, v, is_causal, align)
+                seen = torch.isfinite(lse64)                     # [B, H, N] rows that see at least one key
+                mask = None
+                if is_causal:                                    # SDPA on the same rows: its own error, the yardstick
+                    rr, cc = torch.arange(N, device="cuda"), torch.arange(Nk, device="cuda")
+                    mask = cc[None, :] <= rr[:, None] + _diag(True, align, N, Nk)      # [N, Nk] True: attend
+                kr, vr = (x.repeat_interleave(H // Hkv, 1) for x in (k, v))
+                o_sdpa = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask).double()
+                sdpa = (o_sdpa - o64)[seen].abs().max().item() if seen.any() else 0.0
+                err = (o.double() - o64)[seen].abs().max().item() if seen.any() else 0.0
+                err_lse = (lse.double() - lse64)[seen].abs().max().item() if seen.any() else 0.0
                 bound = 2 * sdpa + torch.finfo(dt).eps * o64.abs().max().item()
-                good = bool(torch.isfinite(o).all()) and err <= bound and \
-                    err_lse <= 1e-3 * max(1.0, lse64.abs().max().item())
+                empty_ok = bool((o[~seen] == 0).all()) and bool((lse[~seen] == float("-inf")).all())
+                good = bool(torch.isfinite(o).all()) and err <= bound and empty_ok and \
+                    err_lse <= 1e-3 * max(1.0, lse64[seen].abs().max().item() if seen.any() else 1.0)
                 ok &= good
                 worst, worst_lse = max(worst, err), max(worst_lse, err_lse)
-                rows.append(dict(row, err=err, bound=bound, sdpa_err=sdpa, lse_err=err_lse, ok=good))
+                rows.append(dict(row, err=err, bound=bound, sdpa_err=sdpa, lse_err=err_lse,
+                                 empty_rows=int((~seen).sum().item()), empty_ok=empty_ok, ok=good))
                 if log:
                     log(rows[-1])
     return {"cases": len(rows), "worst": worst, "worst_lse": worst_lse, "ok": ok, "rows": rows}
 
 
-if __name__ == "__main__":     # on an sm_90 GPU: python -m helpers.kernels.gluon_forward [--variant one|ws|overlap|pp]
+if __name__ == "__main__":     # on an sm_90 GPU: python -m helpers.kernels.gluon_forward [--variant X] [--causal]
     import argparse
 
     import torch
-    ap = argparse.ArgumentParser(description="The Gluon forward against float64 on harsh shapes (an sm_90 GPU).")
+    ap = argparse.ArgumentParser(description="The Gluon forward against float64 on harsh cases (an sm_90 GPU).")
     ap.add_argument("--variant", choices=list(VARIANTS), default=None)
     ap.add_argument("--warp-specialize", action="store_true", help="the same as --variant ws")
+    ap.add_argument("--causal", action="store_true", help="only the causal cases (default: every case)")
     args = ap.parse_args()
     variant = _variant(args.variant, args.warp_specialize)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"variant {variant}: {VARIANTS[variant]}", flush=True)
-    result = gluon_forward_selftest(variant=variant, log=lambda r: print(r, flush=True))
-    print(f"{result['cases']} cases, worst |O - float64| {result['worst']:.2e}, worst |lse - float64| "
-          f"{result['worst_lse']:.2e}: {'ALL OK' if result['ok'] else 'FAILURES ABOVE'}")
+    result = gluon_forward_selftest(variant=variant, causal=True if args.causal else None,
+                                    log=lambda r: print(r, flush=True))
+    print(f"variant {variant}: {result['cases']} cases{' (causal)' if args.causal else ''}, worst |O - float64| "
+          f"{result['worst']:.2e}, worst |lse - float64| {result['worst_lse']:.2e}: "
+          f"{'ALL OK' if result['ok'] else 'FAILURES ABOVE'}")
     raise SystemExit(0 if result["ok"] else 1)
