@@ -2,8 +2,10 @@
 
 Public:
 
-* ``flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left") -> (dq, dk, dv)``
-* ``flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left") -> O``: differentiable;
+* ``flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left", *,
+  window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> (dq, dk, dv)``
+* ``flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left", *, window_size=(-1, -1), softcap=0.0,
+  alibi_slopes=None) -> O``: differentiable;
   forward = ``helpers.kernels.forward.flash_attn_triton`` (which also returns the lse the backward needs),
   backward = the kernels below.
 
@@ -23,7 +25,10 @@ base 2 (``lse2 = lse * log2(e)``, +inf for a row that saw no key so that its P i
 Causal tiles use the forward's three classes: tiles every (query, key) pair of which is visible run in a
 loop without a mask, tiles on the diagonal band or on a ragged edge (N or Nk not a multiple of the block)
 in a loop with one, and tiles nobody sees are never visited. Both alignments of the forward are supported
-(row i sees key j when j <= i + diag; diag = 0 top-left, Nk - N bottom-right).
+(row i sees key j when j <= i + diag; diag = 0 top-left, Nk - N bottom-right). The library's sliding window,
+softcap and ALiBi use the forward's switches: a window's lower bound adds a masked band on the other side (rows
+past it in the dK/dV kernel, keys before it in the dQ kernel, never visited beyond), P is recomputed from the
+modified score, and dS goes through the softcap as dS * (1 - tanh^2) (ALiBi's bias passes it through).
 
 ``dq_mode="separate"`` is deterministic (every dQ element is written once by one program);
 ``dq_mode="atomic"`` adds fp32 partials from many programs in whatever order they finish, so dQ can
@@ -534,7 +539,7 @@ def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, alig
         dq_acc = torch.zeros((B, H, N, d), device=q.device, dtype=torch.float32)  # [B, H, N, d] fp32 sums
     else:
         dq_acc = dq = torch.empty_like(q)  # [B, H, N, d]
-    mod_args = (mods.slopes, mods.stride_sb, H, diag_lo, mods.cap, diag0)
+    mod_args = (mods.slopes, mods.stride_sb, H, diag_lo, mods.cap, diag0 if mods.score_mod == 2 else 0)
     args = (q, k, v, do, lse2, delta, dk, dv, dq_acc, N, Nk, diag, qk_scale, sm_scale, group, *mod_args)
     meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), DQ_ATOMIC=atomic, **mods.meta())
     if config is None and interpreting():

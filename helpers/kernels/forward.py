@@ -1,5 +1,5 @@
 """The FlashAttention-2 forward in Triton (lesson 07): ``flash_attn_triton(q, k, v, causal=False, sm_scale=None,
-align="top_left") -> (O, lse)``.
+align="top_left", *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> (O, lse)``.
 
 k, v may have fewer heads than q (grouped-query attention). One program owns BLOCK_M query rows of one
 (batch, head), keeps them in registers and streams the keys and values past them BLOCK_N at a time, with the
@@ -8,6 +8,12 @@ exponential is one ``exp2``. Key tiles fall into three classes: tiles every row 
 off-band loop, no mask), tiles that need a mask (the causal diagonal band and the ragged last tile: the on-band
 loop) and tiles no row sees (never visited). The block body ``_attn_fwd_rows`` is shared with the packed
 variable-length forward (``helpers/kernels/varlen.py``).
+
+The FlashAttention library's options, as ``tl.constexpr`` switches of the same loop (off: the code of plain
+attention, unchanged): a sliding window (``window_size``; the upper bound reuses the causal switch, the lower
+bound ``WINDOW`` adds a masked lower band before the full tiles, and keys below it are never visited), Gemma 2's
+softcap and ALiBi (``SCORE_MOD``: the score is modified in natural units, then times log2(e)). ``_check_mods``
+and ``Mods`` check the arguments for every launcher (dense, packed, forward, backward).
 
 References: Dao, "FlashAttention-2" (2023), Algorithm 1; the fused-attention tutorial of Triton. Written for
 this course; numbers in bench/NOTES.md.
@@ -200,7 +206,7 @@ def _attn_fwd_rows(
     return acc, lse
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["diag_lo", "alibi_diag"])  # the window's and ALiBi's offsets: one compile for all N
 def _attn_fwd(
     Q, K, V, O, LSE,
     desc_k, desc_v,
@@ -431,7 +437,7 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         H, Hkv, N, Nk, diag, qk_scale,
-        mods.slopes, mods.stride_sb, diag_lo, float(sm_scale), mods.cap, diag0,
+        mods.slopes, mods.stride_sb, diag_lo, float(sm_scale), mods.cap, diag0 if mods.score_mod == 2 else 0,
     )
     meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), USE_TMA=bool(use_tma), **mods.meta())
     if interpreting() or config is not None:
