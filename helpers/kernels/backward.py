@@ -242,8 +242,6 @@ def _bwd_dkdv(
     # LSE2, DELTA [B*H, N]; DQ fp32 if atomic
     N, Nk, diag, qk_scale, sm_scale,
     GROUP,  # query heads per KV head (H // Hkv; 1 without grouped-query attention)
-    SLOPES, stride_sb, H,  # ALiBi: slope of (b, h) at SLOPES[b * stride_sb + h]
-    diag_lo, cap, alibi_diag,  # the window's lower bound; the score mod's scalars
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM)
     BLOCK_M: tl.constexpr,
@@ -251,8 +249,11 @@ def _bwd_dkdv(
     CAUSAL: tl.constexpr,  # an upper bound: row i sees keys j <= i + diag
     DQ_ATOMIC: tl.constexpr,
     EVEN: tl.constexpr,  # _even(): no ragged query or key block
-    WINDOW: tl.constexpr,  # a lower bound: row i sees keys j >= i + diag_lo
-    SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
+    # the library's options, last and off by default (a launch written before them still runs):
+    SLOPES=None, stride_sb=0, H=1,  # ALiBi: slope of (b, h) at SLOPES[b * stride_sb + h]
+    diag_lo=0, cap=1.0, alibi_diag=0,  # the window's lower bound; the score mod's scalars
+    WINDOW: tl.constexpr = False,  # a lower bound: row i sees keys j >= i + diag_lo
+    SCORE_MOD: tl.constexpr = 0,  # 0 none, 1 softcap, 2 ALiBi
 ):
     # grid = (cdiv(Nk, BLOCK_N), B * Hkv); with causal top-left the first key blocks are seen by the most
     # rows, so program 0 (launched first) is the heaviest. Grouped-query attention: this program owns
@@ -387,16 +388,17 @@ def _bwd_dq(
     Q, K, V, DO, LSE2, DELTA, DQ,
     N, Nk, diag, qk_scale, sm_scale,
     GROUP,  # query heads per KV head: query head b * H + h reads KV head (b * H + h) // GROUP = b * Hkv + h // GROUP
-    SLOPES, stride_sb, H,  # ALiBi: slope of (b, h) at SLOPES[b * stride_sb + h]
-    diag_lo, cap, alibi_diag,  # the window's lower bound; the score mod's scalars
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,  # an upper bound: row i sees keys j <= i + diag
     EVEN: tl.constexpr,  # _even(): no ragged query or key block
-    WINDOW: tl.constexpr,  # a lower bound: row i sees keys j >= i + diag_lo
-    SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
+    # the library's options, last and off by default (a launch written before them still runs):
+    SLOPES=None, stride_sb=0, H=1,  # ALiBi: slope of (b, h) at SLOPES[b * stride_sb + h]
+    diag_lo=0, cap=1.0, alibi_diag=0,  # the window's lower bound; the score mod's scalars
+    WINDOW: tl.constexpr = False,  # a lower bound: row i sees keys j >= i + diag_lo
+    SCORE_MOD: tl.constexpr = 0,  # 0 none, 1 softcap, 2 ALiBi
 ):
     # grid = (cdiv(N, BLOCK_M), B * H); causal blocks run heaviest (last) first
     if CAUSAL:
@@ -539,9 +541,10 @@ def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, alig
         dq_acc = torch.zeros((B, H, N, d), device=q.device, dtype=torch.float32)  # [B, H, N, d] fp32 sums
     else:
         dq_acc = dq = torch.empty_like(q)  # [B, H, N, d]
-    mod_args = (mods.slopes, mods.stride_sb, H, diag_lo, mods.cap, diag0 if mods.score_mod == 2 else 0)
-    args = (q, k, v, do, lse2, delta, dk, dv, dq_acc, N, Nk, diag, qk_scale, sm_scale, group, *mod_args)
-    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), DQ_ATOMIC=atomic, **mods.meta())
+    mod_args = dict(SLOPES=mods.slopes, stride_sb=mods.stride_sb, H=H, diag_lo=diag_lo, cap=mods.cap,
+                    alibi_diag=diag0 if mods.score_mod == 2 else 0, **mods.meta())
+    args = (q, k, v, do, lse2, delta, dk, dv, dq_acc, N, Nk, diag, qk_scale, sm_scale, group)
+    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), DQ_ATOMIC=atomic, **mod_args)
     if config is None and interpreting():
         config = {"dkdv": _INTERPRETER_BWD_CONFIG, "dq": _INTERPRETER_BWD_CONFIG}
     if config is not None:
@@ -554,8 +557,8 @@ def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, alig
         n = dq.numel()
         _cast_rows[(triton.cdiv(n, 1024),)](dq_acc, dq, n, BLOCK=1024)
     else:
-        dq_args = (q, k, v, do, lse2, delta, dq, N, Nk, diag, qk_scale, sm_scale, group, *mod_args)
-        dq_meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), **mods.meta())
+        dq_args = (q, k, v, do, lse2, delta, dq, N, Nk, diag, qk_scale, sm_scale, group)
+        dq_meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), **mod_args)
         if config is not None:
             cfg = config["dq"]
             _bwd_dq[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](*dq_args, **dq_meta, **cfg,

@@ -215,16 +215,17 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     H, Hkv, N, Nk, diag, qk_scale,
-    SLOPES, stride_sb,  # ALiBi: slope of (b, h) at SLOPES[b * stride_sb + h] (stride_sb = 0: one per head)
-    diag_lo, sm_scale, cap, alibi_diag,  # the window's lower bound, the score mod's scalars (_attn_fwd_inner)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM): loads and stores along d are masked with HEAD_DIM
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,  # an upper bound: row i sees keys j <= i + diag
     USE_TMA: tl.constexpr,
-    WINDOW: tl.constexpr,  # a lower bound: row i sees keys j >= i + diag_lo
-    SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
+    # the library's options, last and off by default (a launch written before them still runs):
+    SLOPES=None, stride_sb=0,  # ALiBi: slope of (b, h) at SLOPES[b * stride_sb + h] (stride_sb = 0: one per head)
+    diag_lo=0, sm_scale=1.0, cap=1.0, alibi_diag=0,  # the window's lower bound, the score mod's scalars
+    WINDOW: tl.constexpr = False,  # a lower bound: row i sees keys j >= i + diag_lo
+    SCORE_MOD: tl.constexpr = 0,  # 0 none, 1 softcap, 2 ALiBi
 ):
     # grid = (cdiv(N, BLOCK_M), B * H); causal blocks run heaviest (last) first
     if CAUSAL:
@@ -437,9 +438,10 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         H, Hkv, N, Nk, diag, qk_scale,
-        mods.slopes, mods.stride_sb, diag_lo, float(sm_scale), mods.cap, diag0 if mods.score_mod == 2 else 0,
     )
-    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), USE_TMA=bool(use_tma), **mods.meta())
+    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), USE_TMA=bool(use_tma), SLOPES=mods.slopes, stride_sb=mods.stride_sb,
+                diag_lo=diag_lo, sm_scale=float(sm_scale), cap=mods.cap,
+                alibi_diag=diag0 if mods.score_mod == 2 else 0, **mods.meta())
     if interpreting() or config is not None:
         cfg = dict(_INTERPRETER_FWD_CONFIG if config is None else config)
         if use_tma:
