@@ -1,5 +1,5 @@
-"""The FlashAttention library's ``window_size``, ``softcap`` and ``alibi_slopes`` in the course's dense and packed Triton
-kernels (helpers/kernels/forward.py, backward.py, varlen.py, varlen_backward.py).
+"""The FlashAttention library's ``window_size``, ``softcap`` and ``alibi_slopes`` in the course's dense and packed
+Triton kernels (helpers/kernels/forward.py, backward.py, varlen.py, varlen_backward.py).
 
 Every result is compared, per head, with a float64 dense reference written here (``_ref``: S = q k^T * scale, the
 softcap or the ALiBi bias, then the window as a mask on the diagonal of ``align``, then softmax; a row that sees
@@ -81,7 +81,8 @@ def _check_fwd(o, lse, ro, rl, tol, label):
     empty = torch.isneginf(rl)
     assert not torch.isnan(lse).any(), f"{label}: NaN in lse"
     assert torch.equal(torch.isneginf(lse), empty), \
-        f"{label}: rows with lse = -inf {torch.isneginf(lse).nonzero().tolist()[:8]}, expected {empty.nonzero().tolist()[:8]}"
+        f"{label}: rows with lse = -inf {torch.isneginf(lse).nonzero().tolist()[:8]}, " \
+        f"expected {empty.nonzero().tolist()[:8]}"
     assert (o.cpu()[empty] == 0).all(), f"{label}: a row that sees no key must have O = 0"
     _close(f"{label} O", o, ro, tol)
     _close(f"{label} lse", torch.where(empty, 0.0, lse.double()), torch.where(empty, 0.0, rl), tol)
@@ -111,7 +112,8 @@ def test_reference_agrees_with_lesson12():
                                       ((-1, 2), False, dict(slopes=slopes), L.alibi(slopes, 30, 45))):
         ro, rl = _ref(q, k, v, 15, window, causal, **mod)
         for h in range(2):
-            lo, ll = L.attention_mods_ref(q[0, h], k[0, h], v[0, h], L.sliding_window(30, 45, window, causal), lmod, h=h)
+            lo, ll = L.attention_mods_ref(q[0, h], k[0, h], v[0, h], L.sliding_window(30, 45, window, causal), lmod,
+                                          h=h)
             assert torch.allclose(ro[0, h], lo) and torch.equal(torch.isneginf(rl[0, h]), torch.isneginf(ll))
 
 

@@ -191,8 +191,9 @@ def varlen_block_m(d):
 def _tuned(d_class):
     configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_kv_block_shape)
                for bn, w, s in _VARLEN_SHAPES[d_class][1]]
-    return triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "USE_TMA", "WINDOW", "SCORE_MOD"], prune_configs_by={
-        "early_config_prune": lambda cs, nargs, **kw: prune_for_device("varlen", cs, nargs, kw)})(_attn_fwd_varlen)
+    return triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "USE_TMA", "WINDOW", "SCORE_MOD"],
+                           prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: prune_for_device(
+                               "varlen", cs, nargs, kw)})(_attn_fwd_varlen)
 
 
 _attn_fwd_varlen_tuned = {c: _tuned(c) for c in _VARLEN_SHAPES}

@@ -3,8 +3,9 @@
 Public:
 
 * ``flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-  sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> O``: differentiable, the FlashAttention library's ``flash_attn_varlen_func`` layout (q
-  ``[total_q, H, d]``, k, v ``[total_k, Hkv, d]``, causal bottom-right per sequence); forward =
+  sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> O``: differentiable, the
+  FlashAttention library's ``flash_attn_varlen_func`` layout (q ``[total_q, H, d]``, k, v ``[total_k, Hkv, d]``,
+  causal, the window and ALiBi bottom-right per sequence); forward =
   ``helpers.kernels.varlen.flash_attn_varlen_triton``, backward = the kernels below.
 * ``flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
   causal=False, sm_scale=None, *, window_size, softcap, alibi_slopes) -> (dq, dk, dv)``.
@@ -164,9 +165,9 @@ def flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
 
     q, o, do: [total_q, H, d]; k, v: [total_k, Hkv, d]; lse: [H, total_q] float32, the forward's second output
     (-inf on rows that saw no key: their gradients are 0). cu_seqlens, max_seqlen, causal (bottom-right per
-    sequence), sm_scale, window_size, softcap, alibi_slopes: exactly the forward's. ``validate``: check the cu_seqlens values (a host sync);
-    ``flash_attention_varlen`` passes False, its forward checked them. ``config``: {"dkdv": {...}, "dq": {...}}
-    (BLOCK_M, BLOCK_N, num_warps, num_stages) fixes the tiles.
+    sequence), sm_scale, window_size, softcap, alibi_slopes: exactly the forward's. ``validate``: check the
+    cu_seqlens values (a host sync); ``flash_attention_varlen`` passes False, its forward checked them.
+    ``config``: {"dkdv": {...}, "dq": {...}} (BLOCK_M, BLOCK_N, num_warps, num_stages) fixes the tiles.
     """
     total_q, H, d, total_k, Hkv, B = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                           max_seqlen_k, causal, validate)
