@@ -149,6 +149,35 @@ def _plan(cc, kind, variants):
     return plan
 
 
+# The FlashAttention library's window_size / softcap / alibi_slopes in the dense kernels (tests/test_triton_mods.py):
+# (WINDOW, SCORE_MOD) with SCORE_MOD 0 none, 1 softcap, 2 ALiBi. On VARIANT_TARGETS a window with softcap (fp16,
+# d = 128) and with ALiBi (bf16, d = 64) in the first configuration; the windowed forward also on MODS_FWD_TARGETS.
+MODS_FWD_TARGETS = (80, 75)
+_MOD_NAMES = {0: "", 1: " softcap", 2: " ALiBi"}
+
+
+def _mods_plan(cc, kind, variant, fwd=False):
+    """(dtype, d, cfg, variant + (WINDOW, SCORE_MOD)) for the window and the score mods on sm_cc."""
+    if cc in VARIANT_TARGETS:
+        return [("fp16", 128, _configs(kind, 128, "fp16", cc)[0], (*variant, True, 1)),
+                ("bf16", 64, _configs(kind, 64, "bf16", cc)[0], (*variant, True, 2))]
+    if fwd and cc in MODS_FWD_TARGETS:  # d = 64 on a T4: without tensor cores d = 128 takes ptxas 45 s
+        d = 128 if cc >= 80 else 64
+        return [("fp16", d, _configs(kind, d, "fp16", cc)[0], (*variant, True, 0))]
+    return []
+
+
+def _mods_sig(window, mod):
+    """The new arguments' part of a signature: the slopes pointer (None: not ALiBi), the constexpr switches."""
+    if mod == 2:
+        return dict(SLOPES="fp32"), dict(WINDOW=window, SCORE_MOD=mod)
+    return {}, dict(WINDOW=window, SCORE_MOD=mod, SLOPES=None)
+
+
+def _mods_label(window, mod):
+    return (" window" if window else "") + _MOD_NAMES[mod]
+
+
 def fwd_jobs(cc, dtypes):
     from helpers.kernels import forward as kf
     plan = _plan(cc, "fwd", [(True, False), (False, False)])  # (causal, TMA)
@@ -156,18 +185,20 @@ def fwd_jobs(cc, dtypes):
     if _use_tma(cc, "fp16"):  # TMA keeps Q and more K/V tiles in shared memory: the largest configuration
         cfgs = _configs("fwd", 128, "fp16", cc)
         plan += [("fp16", 128, max(cfgs, key=lambda c: _meta("fwd", c, 128, "fp16", cc)["estimate"]), (True, True))]
+    plan = [(dt, d, cfg, (*v, False, 0)) for dt, d, cfg, v in plan] + _mods_plan(cc, "fwd", (True, False), fwd=True)
     jobs = []
-    for dtype, d, cfg, (causal, tma) in plan:
-        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal):
+    for dtype, d, cfg, (causal, tma, window, mod) in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal, window=window, mod=mod):
             fn = kf._attn_fwd
             bn = cfg["BLOCK_N"]
             desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
+            ptrs, consts = _mods_sig(window, mod)
             sig, const, attrs = signature(
-                fn, dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32"), ("qk_scale",),
+                fn, dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", **ptrs), ("qk_scale", "sm_scale", "cap"),
                 dict(desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
-                     CAUSAL=causal, USE_TMA=tma), ints16=("N", "Nk"))
+                     CAUSAL=causal, USE_TMA=tma, **consts), ints16=("N", "Nk"))
             return fn, sig, const, attrs, cfg
-        jobs.append(Job("dense forward", f"{dtype} d={d} {'causal' if causal else 'full'}"
+        jobs.append(Job("dense forward", f"{dtype} d={d} {'causal' if causal else 'full'}{_mods_label(window, mod)}"
                         f"{' TMA' if tma else ''} {_cfg_label(cfg)}", build, _meta("fwd", cfg, d, dtype, cc)))
     return jobs
 
@@ -238,29 +269,33 @@ def bwd_jobs(cc, dtypes):
     # (causal, atomic dQ, EVEN): EVEN = N, Nk multiples of the tiles (known when compiled: no ragged loops)
     variants = [(True, False, True), (False, False, True), (True, False, False), (True, True, True)]
     plan = _plan(cc, "dkdv", variants) + _padded(cc, "dkdv", (True, True, False)) + _wide(cc, "dkdv", variants[0])
-    for dtype, d, cfg, (causal, atomic, even) in plan:
-        def dkdv(cfg=cfg, d=d, dtype=dtype, causal=causal, atomic=atomic, even=even):
+    plan = [(dt, d, cfg, (*v, False, 0)) for dt, d, cfg, v in plan] + _mods_plan(cc, "dkdv", (True, False, False))
+    for dtype, d, cfg, (causal, atomic, even, window, mod) in plan:
+        def dkdv(cfg=cfg, d=d, dtype=dtype, causal=causal, atomic=atomic, even=even, window=window, mod=mod):
             fn = tb._bwd_dkdv
+            mod_ptrs, consts = _mods_sig(window, mod)
             ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK=dtype,
-                        DV=dtype, DQ="fp32" if atomic else dtype)
-            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
+                        DV=dtype, DQ="fp32" if atomic else dtype, **mod_ptrs)
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap"), dict(
                 HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
-                DQ_ATOMIC=atomic, EVEN=even), ints16=("N", "Nk") if even else ())
+                DQ_ATOMIC=atomic, EVEN=even, **consts), ints16=("N", "Nk") if even else ())
             return fn, sig, const, attrs, cfg
-        jobs.append(Job("backward dK/dV", f"{dtype} d={d} {'causal' if causal else 'full'}"
+        jobs.append(Job("backward dK/dV", f"{dtype} d={d} {'causal' if causal else 'full'}{_mods_label(window, mod)}"
                         f"{' atomic dQ' if atomic else ''}{'' if even else ' ragged'} {_cfg_label(cfg)}",
                         dkdv, _meta("dkdv", cfg, d, dtype, cc, atomic=atomic)))
     variants = [(True, True), (False, True), (True, False)]
-    for dtype, d, cfg, (causal, even) in (_plan(cc, "dq", variants) + _padded(cc, "dq", (True, False))
-                                          + _wide(cc, "dq", variants[0])):
-        def dq(cfg=cfg, d=d, dtype=dtype, causal=causal, even=even):
+    plan = _plan(cc, "dq", variants) + _padded(cc, "dq", (True, False)) + _wide(cc, "dq", variants[0])
+    plan = [(dt, d, cfg, (*v, False, 0)) for dt, d, cfg, v in plan] + _mods_plan(cc, "dq", (True, False))
+    for dtype, d, cfg, (causal, even, window, mod) in plan:
+        def dq(cfg=cfg, d=d, dtype=dtype, causal=causal, even=even, window=window, mod=mod):
             fn = tb._bwd_dq
-            ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DQ=dtype)
-            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
-                HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, EVEN=even),
-                ints16=("N", "Nk") if even else ())
+            mod_ptrs, consts = _mods_sig(window, mod)
+            ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DQ=dtype, **mod_ptrs)
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap"), dict(
+                HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, EVEN=even,
+                **consts), ints16=("N", "Nk") if even else ())
             return fn, sig, const, attrs, cfg
-        jobs.append(Job("backward dQ", f"{dtype} d={d} {'causal' if causal else 'full'}"
+        jobs.append(Job("backward dQ", f"{dtype} d={d} {'causal' if causal else 'full'}{_mods_label(window, mod)}"
                         f"{'' if even else ' ragged'} {_cfg_label(cfg)}", dq, _meta("dq", cfg, d, dtype, cc)))
     return jobs
 
@@ -270,20 +305,24 @@ def varlen_jobs(cc, dtypes):
     plan = _plan(cc, "varlen", [False]) + _padded(cc, "varlen", False)  # TMA
     if _use_tma(cc, "fp16"):  # the dense forward's body: its TMA path is compiled in every configuration above
         plan += [("fp16", 128, plan[0][2], True)]
+    plan = [(dt, d, cfg, (tma, False, 0)) for dt, d, cfg, tma in plan]
+    if cc in VARIANT_TARGETS:  # the window with softcap: the dense body's lower band and score mod, packed
+        plan += [("fp16", 128, plan[0][2], (False, True, 1))]
     jobs = []
-    for dtype, d, cfg, tma in plan:
-        def build(cfg=cfg, d=d, dtype=dtype, tma=tma):
+    for dtype, d, cfg, (tma, window, mod) in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, window=window, mod=mod):
             fn = tv._attn_fwd_varlen
             bn = cfg["BLOCK_N"]
             desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
+            mod_ptrs, consts = _mods_sig(window, mod)
             ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", SEQ_IDX="i32", Q_START="i32",
-                        CU_Q="i32", CU_K="i32")
-            sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(
+                        CU_Q="i32", CU_K="i32", **mod_ptrs)
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap"), dict(
                 desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, CAUSAL=True,
-                USE_TMA=tma))
+                USE_TMA=tma, **consts))
             return fn, sig, const, attrs, cfg
-        jobs.append(Job("varlen forward", f"{dtype} d={d} causal{' TMA' if tma else ''} {_cfg_label(cfg)}",
-                        build, _meta("varlen", cfg, d, dtype, cc)))
+        jobs.append(Job("varlen forward", f"{dtype} d={d} causal{_mods_label(window, mod)}{' TMA' if tma else ''} "
+                        f"{_cfg_label(cfg)}", build, _meta("varlen", cfg, d, dtype, cc)))
     return jobs
 
 
@@ -304,14 +343,19 @@ def varlen_bwd_jobs(cc, dtypes):
         except ValueError:
             d, cfg = 64, _configs(kind, 64, "fp16", cc)[0]
 
-        def build(fn=fn, cfg=cfg, d=d, kind=kind, dtype="fp16"):
-            ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", SEQ_IDX="i32", CU_Q="i32",
-                        CU_K="i32", **(dict(DK=dtype, DV=dtype, K_START="i32") if kind == "dkdv"
-                                       else dict(DQ=dtype, Q_START="i32")))
-            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
-                HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True))
-            return fn, sig, const, attrs, cfg
-        jobs.append(Job(label, f"fp16 d={d} causal {_cfg_label(cfg)}", build, _meta(kind, cfg, d, "fp16", cc)))
+        # the library's options: none; on VARIANT_TARGETS also the window with ALiBi in the dK/dV kernel (the dQ
+        # kernel's body is the dense one's, compiled with them in bwd_jobs: 9 s of ptxas saved)
+        for window, mod in ((False, 0), (True, 2)) if cc in VARIANT_TARGETS and kind == "dkdv" else ((False, 0),):
+            def build(fn=fn, cfg=cfg, d=d, kind=kind, dtype="fp16", window=window, mod=mod):
+                mod_ptrs, consts = _mods_sig(window, mod)
+                ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", SEQ_IDX="i32", CU_Q="i32",
+                            CU_K="i32", **(dict(DK=dtype, DV=dtype, K_START="i32") if kind == "dkdv"
+                                           else dict(DQ=dtype, Q_START="i32")), **mod_ptrs)
+                sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap"), dict(
+                    HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True, **consts))
+                return fn, sig, const, attrs, cfg
+            jobs.append(Job(label, f"fp16 d={d} causal{_mods_label(window, mod)} {_cfg_label(cfg)}", build,
+                            _meta(kind, cfg, d, "fp16", cc)))
     return jobs
 
 

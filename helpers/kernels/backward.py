@@ -2,8 +2,10 @@
 
 Public:
 
-* ``flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left") -> (dq, dk, dv)``
-* ``flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left") -> O``: differentiable;
+* ``flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left", *,
+  window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> (dq, dk, dv)``
+* ``flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left", *, window_size=(-1, -1), softcap=0.0,
+  alibi_slopes=None) -> O``: differentiable;
   forward = ``helpers.kernels.forward.flash_attn_triton`` (which also returns the lse the backward needs),
   backward = the kernels below.
 
@@ -23,7 +25,10 @@ base 2 (``lse2 = lse * log2(e)``, +inf for a row that saw no key so that its P i
 Causal tiles use the forward's three classes: tiles every (query, key) pair of which is visible run in a
 loop without a mask, tiles on the diagonal band or on a ragged edge (N or Nk not a multiple of the block)
 in a loop with one, and tiles nobody sees are never visited. Both alignments of the forward are supported
-(row i sees key j when j <= i + diag; diag = 0 top-left, Nk - N bottom-right).
+(row i sees key j when j <= i + diag; diag = 0 top-left, Nk - N bottom-right). The library's sliding window,
+softcap and ALiBi use the forward's switches: a window's lower bound adds a masked band on the other side (rows
+past it in the dK/dV kernel, keys before it in the dQ kernel, never visited beyond), P is recomputed from the
+modified score, and dS goes through the softcap as dS * (1 - tanh^2) (ALiBi's bias passes it through).
 
 ``dq_mode="separate"`` is deterministic (every dQ element is written once by one program);
 ``dq_mode="atomic"`` adds fp32 partials from many programs in whatever order they finish, so dQ can
@@ -42,7 +47,7 @@ import triton.language as tl
 
 from ..triton_mode import interpreting
 from .common import LOG2E, SHAPES, _check_dense_kv, _check_qkv, _load_d, head_block, prune_for_device, tile_configs
-from .forward import flash_attn_triton
+from .forward import _check_mods, _score_mod, flash_attn_triton
 
 __all__ = ["flash_attention", "flash_attn_bwd_triton", "FlashAttentionFunction", "DEFAULT_DQ_MODE"]
 
@@ -86,12 +91,15 @@ def _bwd_dkdv_inner(
     stride_qm,  # elements from one query row to the next in Q, DO and DQ (HEAD_DIM dense; H * D packed)
     lo, hi,  # query rows [lo, hi) to visit, lo a multiple of BLOCK_M
     offs_n, N, Nk, diag, qk_scale, sm_scale,  # offs_n [BLOCK_N]: this program's key indices
+    diag_lo, cap, slope, alibi_diag,  # the window's lower bound; the score mod's scalars (forward._score_mod)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM): the tiles' width, the columns past HEAD_DIM masked
     BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr,  # False: every (row, key) pair visible, rows < N; True: band / ragged edges
-    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every (row, key) pair visible, rows < N; True: bands / ragged edges
+    CAUSAL: tl.constexpr,  # an upper bound: row i sees keys j <= i + diag
     DQ_ATOMIC: tl.constexpr,
+    WINDOW: tl.constexpr,  # a lower bound: row i sees keys j >= i + diag_lo
+    SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
 ):
     offs_d = tl.arange(0, BLOCK_D)  # [D]
     d_ok = offs_d < HEAD_DIM  # [D]
@@ -113,15 +121,23 @@ def _bwd_dkdv_inner(
             delta = tl.load(DELTA + rows)
         # P^T recomputed from the saved lse: one exp2 per score
         qkT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
-        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        if SCORE_MOD == 0:
+            pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        else:  # the forward's modified score; dmodT = its derivative (softcap: 1 - tanh^2)
+            s2T, dmodT = _score_mod(qkT, rows[None, :], offs_n[:, None], sm_scale, cap, slope, alibi_diag, SCORE_MOD)
+            pT = tl.math.exp2(s2T - lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
             keep = offs_n[:, None] < Nk  # [BLOCK_N, 1] the ragged key tail
             if CAUSAL:
                 keep = keep & (offs_n[:, None] <= rows[None, :] + diag)  # [BLOCK_N, BLOCK_M]
+            if WINDOW:
+                keep = keep & (offs_n[:, None] >= rows[None, :] + diag_lo)  # [BLOCK_N, BLOCK_M]
             pT = tl.where(keep, pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv)  # [BLOCK_N, D] += P^T dO
         dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M] = (dO V^T)^T
         dsT = pT * (dpT - delta[None, :])  # [BLOCK_N, BLOCK_M]
+        if SCORE_MOD == 1:
+            dsT = dsT * dmodT  # through the softcap (ALiBi's bias passes dS through)
         dk = tl.dot(dsT.to(q.dtype), q, dk)  # [BLOCK_N, D] += dS^T q
         if DQ_ATOMIC:
             dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * sm_scale  # [BLOCK_M, D]
@@ -141,21 +157,25 @@ def _bwd_dkdv_group(
     stride_qh, stride_lh,  # from one query head to the next: in Q, DO, DQ; in LSE2, DELTA
     stride_qm,  # from one query row to the next in Q, DO, DQ
     GROUP, start_n, offs_n, N, Nk, diag, qk_scale, sm_scale,  # start_n: this block's first key (of this sequence)
+    SLOPE, diag_lo, cap, alibi_diag,  # SLOPE: the group's first head's ALiBi slope (the next heads' follow it)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr,  # an upper bound: row i sees keys j <= i + diag
     DQ_ATOMIC: tl.constexpr,
     EVEN: tl.constexpr,  # N a multiple of BLOCK_M and Nk of BLOCK_N (False: both ragged loops are in the code)
+    WINDOW: tl.constexpr,  # a lower bound: row i sees keys j >= i + diag_lo
+    SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
 ):
     """dK, dV of one block of BLOCK_N keys from the GROUP query heads that read its KV head, one head after the
     other, summed in the accumulators. Shared by the dense kernel and the packed variable-length one
     (helpers/kernels/varlen_backward.py): the caller finds the keys and the heads' pointers."""
-    # Row classes for this key block (the same for every query head). Row i sees key j when j <= i + diag.
-    # Masked: rows [m_lo, off_lo) (the band) and [off_hi, N) (the ragged row tail);
-    # no mask: [off_lo, off_hi), whole query blocks that see every key of a whole key block.
-    # Rows < m_lo see none of these keys: never visited.
+    # Row classes for this key block (the same for every query head). Row i sees key j when j <= i + diag
+    # (CAUSAL) and j >= i + diag_lo (WINDOW). Rows < m_lo see none of these keys (upper bound): never visited.
+    # Masked: rows [m_lo, band_hi) (the upper band) and [tail_lo, m_hi) (the lower band and the ragged row
+    # tail); no mask: [off_lo, off_hi), whole query blocks that see every key of a whole key block.
+    # Rows >= m_hi see none of these keys (lower bound; N without WINDOW): never visited.
     N_full = (N // BLOCK_M) * BLOCK_M
     if CAUSAL:
         m_lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M  # block of the first row that sees key start_n
@@ -171,21 +191,35 @@ def _bwd_dkdv_group(
     else:  # the ragged last key block: every tile masked
         off_lo = tl.minimum(m_lo, N_full)
         off_hi = off_lo
+    if WINDOW:
+        r_full_end = tl.maximum(start_n - diag_lo + 1, 0)  # rows < this see the block's first key from below
+        off_hi = tl.maximum(tl.minimum(off_hi, (r_full_end // BLOCK_M) * BLOCK_M), off_lo)
+        m_hi = tl.minimum(tl.maximum(start_n + BLOCK_N - diag_lo, 0), N)  # rows >= this see none of the keys
+        band_hi = tl.minimum(off_lo, m_hi)  # a window narrower than a tile: the upper band may reach m_hi
+    else:
+        m_hi = N
+        band_hi = off_lo
     tail_lo = tl.maximum(off_hi, m_lo)
 
     q_base, do_base, dq_base, lse2_base, delta_base = Q, DO, DQ, LSE2, DELTA
     for g in range(0, GROUP):  # the group's query heads, one after the other
+        slope = 0.0
+        if SCORE_MOD == 2:
+            slope = tl.load(SLOPE + g)
         if CAUSAL or not EVEN:  # not causal and even: the band is empty, so the loop is left out
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qm,
-                                     m_lo, off_lo, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                                     HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+                                     m_lo, band_hi, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                     diag_lo, cap, slope, alibi_diag,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DQ_ATOMIC, WINDOW, SCORE_MOD)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qm,
                                  off_lo, off_hi, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, DQ_ATOMIC)
-        if not EVEN:  # the ragged row tail
+                                 diag_lo, cap, slope, alibi_diag,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, False, CAUSAL, DQ_ATOMIC, WINDOW, SCORE_MOD)
+        if WINDOW or not EVEN:  # the lower band and the ragged row tail
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, dq_base, stride_qm,
-                                     tail_lo, N, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                                     HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DQ_ATOMIC)
+                                     tail_lo, m_hi, offs_n, N, Nk, diag, qk_scale, sm_scale,
+                                     diag_lo, cap, slope, alibi_diag,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, DQ_ATOMIC, WINDOW, SCORE_MOD)
         q_base += stride_qh  # the next head (pointer steps: no int32 product of the head index and its stride)
         do_base += stride_qh
         dq_base += stride_qh
@@ -202,7 +236,7 @@ def _even(args):
     return args["N"] % args["BLOCK_M"] == 0 and args["Nk"] % args["BLOCK_N"] == 0
 
 
-@triton.jit(do_not_specialize=["diag"])
+@triton.jit(do_not_specialize=["diag", "diag_lo", "alibi_diag"])
 def _bwd_dkdv(
     Q, K, V, DO, LSE2, DELTA, DK, DV, DQ,  # contiguous: Q, DO, DQ [B*H, N, D]; K, V, DK, DV [B*Hkv, Nk, D];
     # LSE2, DELTA [B*H, N]; DQ fp32 if atomic
@@ -212,9 +246,14 @@ def _bwd_dkdv(
     BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr,  # an upper bound: row i sees keys j <= i + diag
     DQ_ATOMIC: tl.constexpr,
     EVEN: tl.constexpr,  # _even(): no ragged query or key block
+    # the library's options, last and off by default (a launch written before them still runs):
+    SLOPES=None, stride_sb=0, H=1,  # ALiBi: slope of (b, h) at SLOPES[b * stride_sb + h]
+    diag_lo=0, cap=1.0, alibi_diag=0,  # the window's lower bound; the score mod's scalars
+    WINDOW: tl.constexpr = False,  # a lower bound: row i sees keys j >= i + diag_lo
+    SCORE_MOD: tl.constexpr = 0,  # 0 none, 1 softcap, 2 ALiBi
 ):
     # grid = (cdiv(Nk, BLOCK_N), B * Hkv); with causal top-left the first key blocks are seen by the most
     # rows, so program 0 (launched first) is the heaviest. Grouped-query attention: this program owns
@@ -230,11 +269,16 @@ def _bwd_dkdv(
     v = tl.load(V + kv_ptrs, mask=kv_ok, other=0.0)  # [BLOCK_N, D]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    slope_ptr = SLOPES
+    if SCORE_MOD == 2:
+        bh0 = off_bkv * GROUP  # b * H + the group's first query head
+        slope_ptr = SLOPES + (bh0 // H) * stride_sb + bh0 % H
 
     dk, dv = _bwd_dkdv_group(dk, dv, k, v, Q + off_bkv * GROUP * N * HEAD_DIM, DO + off_bkv * GROUP * N * HEAD_DIM,
                              LSE2 + off_bkv * GROUP * N, DELTA + off_bkv * GROUP * N, DQ + off_bkv * GROUP * N * HEAD_DIM,
                              N * HEAD_DIM, N, HEAD_DIM, GROUP, start_n, offs_n, N, Nk, diag, qk_scale, sm_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, DQ_ATOMIC, EVEN)
+                             slope_ptr, diag_lo, cap, alibi_diag,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, DQ_ATOMIC, EVEN, WINDOW, SCORE_MOD)
 
     dk = dk * sm_scale  # dS was taken w.r.t. S = q k^T * sm_scale
     tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=kv_ok)
@@ -252,11 +296,14 @@ def _bwd_dq_inner(
     K, V,  # this query head's KV head's base pointers [Nk, D]
     stride_kn,  # elements from one key row to the next in K and V (HEAD_DIM dense; Hkv * D packed)
     lo, hi, offs_m, Nk, diag, qk_scale,
+    diag_lo, sm_scale, cap, slope, alibi_diag,  # the window's lower bound; the score mod's scalars
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM)
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr,  # an upper bound: row i sees keys j <= i + diag
+    WINDOW: tl.constexpr,  # a lower bound: row i sees keys j >= i + diag_lo
+    SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
 ):
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM  # [D]
@@ -272,14 +319,22 @@ def _bwd_dq_inner(
             k = _load_d(K + ptrs, d_ok, BLOCK_D != HEAD_DIM)
             v = _load_d(V + ptrs, d_ok, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # [BLOCK_M, BLOCK_N]
+        if SCORE_MOD == 0:
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # [BLOCK_M, BLOCK_N]
+        else:  # the forward's modified score; dmod = its derivative (softcap: 1 - tanh^2)
+            s2, dmod = _score_mod(qk, offs_m[:, None], cols[None, :], sm_scale, cap, slope, alibi_diag, SCORE_MOD)
+            p = tl.math.exp2(s2 - lse2[:, None])  # [BLOCK_M, BLOCK_N]
         if MASKED:
             keep = cols[None, :] < Nk
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            if WINDOW:
+                keep = keep & (cols[None, :] >= offs_m[:, None] + diag_lo)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
+        if SCORE_MOD == 1:
+            ds = ds * dmod  # through the softcap (ALiBi's bias passes dS through)
         dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, D] += dS k
     return dq
 
@@ -288,31 +343,47 @@ def _bwd_dq_inner(
 def _bwd_dq_rows(
     dq, q, do, lse2, delta, K, V, stride_kn,  # as in _bwd_dq_inner
     start_m, offs_m, Nk, diag, qk_scale,  # start_m: the block's index within its sequence
+    diag_lo, sm_scale, cap, slope, alibi_diag,  # as in _bwd_dq_inner
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     EVEN: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SCORE_MOD: tl.constexpr,
 ):
-    """dQ of one block of query rows over keys [0, Nk) in the forward's tile classes. Shared by the dense kernel
-    and the packed variable-length one."""
-    if CAUSAL:  # as in the forward: [0, band_lo) no mask, [band_lo, band_hi) masked, the rest never visited
+    """dQ of one block of query rows over keys [0, Nk) in the forward's tile classes (forward._attn_fwd_rows).
+    Shared by the dense kernel and the packed variable-length one."""
+    if CAUSAL:  # as in the forward: [full_lo, band_lo) no mask, [band_lo, band_hi) masked, the rest never visited
         first_row_end = tl.minimum(tl.maximum(start_m * BLOCK_M + diag + 1, 0), Nk)
         band_lo = (first_row_end // BLOCK_N) * BLOCK_N
         band_hi = tl.minimum(tl.maximum(start_m * BLOCK_M + BLOCK_M + diag, 0), Nk)
     else:
         band_lo = (Nk // BLOCK_N) * BLOCK_N
         band_hi = Nk
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, 0, band_lo, offs_m, Nk, diag, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL)
+    if WINDOW:  # the lower band [win_lo, full_lo), masked; keys below win_lo never visited
+        win_lo = tl.minimum(tl.maximum(start_m * BLOCK_M + diag_lo, 0), Nk)
+        last_row_lo = tl.minimum(tl.maximum(start_m * BLOCK_M + BLOCK_M - 1 + diag_lo, 0), Nk)
+        full_lo = ((last_row_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, (win_lo // BLOCK_N) * BLOCK_N,
+                           tl.minimum(full_lo, band_hi), offs_m, Nk, diag, qk_scale,
+                           diag_lo, sm_scale, cap, slope, alibi_diag,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, WINDOW, SCORE_MOD)
+        band_lo = tl.maximum(band_lo, full_lo)
+    else:
+        full_lo = 0
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, full_lo, band_lo, offs_m, Nk, diag, qk_scale,
+                       diag_lo, sm_scale, cap, slope, alibi_diag,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, WINDOW, SCORE_MOD)
     if CAUSAL or not EVEN:  # not causal and even: nothing is masked, the loop is left out
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, band_lo, band_hi, offs_m, Nk, diag, qk_scale,
-                           HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL)
+                           diag_lo, sm_scale, cap, slope, alibi_diag,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, WINDOW, SCORE_MOD)
     return dq
 
 
-@triton.jit(do_not_specialize=["diag"])
+@triton.jit(do_not_specialize=["diag", "diag_lo", "alibi_diag"])
 def _bwd_dq(
     Q, K, V, DO, LSE2, DELTA, DQ,
     N, Nk, diag, qk_scale, sm_scale,
@@ -321,8 +392,13 @@ def _bwd_dq(
     BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr,  # an upper bound: row i sees keys j <= i + diag
     EVEN: tl.constexpr,  # _even(): no ragged query or key block
+    # the library's options, last and off by default (a launch written before them still runs):
+    SLOPES=None, stride_sb=0, H=1,  # ALiBi: slope of (b, h) at SLOPES[b * stride_sb + h]
+    diag_lo=0, cap=1.0, alibi_diag=0,  # the window's lower bound; the score mod's scalars
+    WINDOW: tl.constexpr = False,  # a lower bound: row i sees keys j >= i + diag_lo
+    SCORE_MOD: tl.constexpr = 0,  # 0 none, 1 softcap, 2 ALiBi
 ):
     # grid = (cdiv(N, BLOCK_M), B * H); causal blocks run heaviest (last) first
     if CAUSAL:
@@ -343,8 +419,12 @@ def _bwd_dq(
     off_bkv = off_bh // GROUP
     k_base = K + off_bkv * Nk * HEAD_DIM
     v_base = V + off_bkv * Nk * HEAD_DIM
+    slope = 0.0
+    if SCORE_MOD == 2:
+        slope = tl.load(SLOPES + (off_bh // H) * stride_sb + off_bh % H)
     dq = _bwd_dq_rows(dq, q, do, lse2, delta, k_base, v_base, HEAD_DIM, start_m, offs_m, Nk, diag, qk_scale,
-                      HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, EVEN)
+                      diag_lo, sm_scale, cap, slope, alibi_diag,
+                      HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, EVEN, WINDOW, SCORE_MOD)
     dq = dq * sm_scale
     tl.store(DQ + ptrs, dq.to(DQ.dtype.element_ty), mask=io_ok)
 
@@ -395,10 +475,11 @@ def _prune(kind):  # triton.autotune's early_config_prune: the configurations th
 
 # d class -> autotuner
 _bwd_dkdv_tuned = {c: triton.autotune(configs=_configs(_SHAPES_BY_CLASS["dkdv"][c]),
-                                      key=["N", "Nk", "HEAD_DIM", "CAUSAL", "DQ_ATOMIC"],
+                                      key=["N", "Nk", "HEAD_DIM", "CAUSAL", "DQ_ATOMIC", "WINDOW", "SCORE_MOD"],
                                       reset_to_zero=["DQ"], prune_configs_by=_prune("dkdv"))(
     triton.heuristics({"EVEN": _even})(_bwd_dkdv)) for c in (128, 256)}
-_bwd_dq_tuned = {c: triton.autotune(configs=_configs(_SHAPES_BY_CLASS["dq"][c]), key=["N", "Nk", "HEAD_DIM", "CAUSAL"],
+_bwd_dq_tuned = {c: triton.autotune(configs=_configs(_SHAPES_BY_CLASS["dq"][c]),
+                                    key=["N", "Nk", "HEAD_DIM", "CAUSAL", "WINDOW", "SCORE_MOD"],
                                     prune_configs_by=_prune("dq"))(triton.heuristics({"EVEN": _even})(_bwd_dq))
                  for c in (128, 256)}
 
@@ -415,17 +496,19 @@ def _check_inputs(q, k, v, causal, align):
 
 
 def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left", *,
-                          dq_mode=None, config=None):
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dq_mode=None, config=None):
     """Gradients ``(dq, dk, dv)`` of O = attention(q, k, v) for the upstream gradient ``do``.
 
     q, o, do: [B, H, N, d]; k, v: [B, Hkv, Nk, d] (H a multiple of Hkv: grouped-query attention, query
     head h reads KV head h // (H // Hkv); dk, dv sum over each KV head's group inside the kernel); lse: [B, H, N] float32 natural log, as returned by
     ``flash_attn_triton`` (-inf for a row that saw no key: its gradients are 0). ``causal``, ``align``,
-    ``sm_scale`` as in the forward. ``dq_mode``: "separate" (a dQ kernel; deterministic) or "atomic"
+    ``sm_scale``, ``window_size``, ``softcap``, ``alibi_slopes`` exactly as in the forward (softcap's gradient is
+    dS * (1 - tanh^2); ALiBi's bias passes dS through; the slopes get no gradient). ``dq_mode``: "separate" (a dQ kernel; deterministic) or "atomic"
     (fp32 atomic adds from the dK/dV kernel); None = DEFAULT_DQ_MODE. ``config``: None autotunes;
     a dict {"dkdv": {BLOCK_M, BLOCK_N, num_warps, num_stages}, "dq": {...}} fixes the tiles.
     """
     B, H, Hkv, N, Nk, d = _check_inputs(q, k, v, causal, align)
+    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, B, q.device)
     group = H // Hkv
     for name, x, shape in (("o", o, q.shape), ("do", do, q.shape)):
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
@@ -444,7 +527,8 @@ def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, alig
         sm_scale = 1.0 / math.sqrt(d)
     sm_scale = float(sm_scale)
     qk_scale = sm_scale * LOG2E.value
-    diag = (Nk - N) if (causal and align == "bottom_right") else 0
+    diag0 = (Nk - N) if align == "bottom_right" else 0
+    diag, diag_lo = mods.diags(diag0)  # row i sees keys i + diag_lo <= j <= i + diag
 
     delta = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N] rowsum(dO * O)
     lse2 = torch.empty_like(delta)  # [B, H, N] lse in base 2, +inf on empty rows
@@ -457,8 +541,10 @@ def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, alig
         dq_acc = torch.zeros((B, H, N, d), device=q.device, dtype=torch.float32)  # [B, H, N, d] fp32 sums
     else:
         dq_acc = dq = torch.empty_like(q)  # [B, H, N, d]
+    mod_args = dict(SLOPES=mods.slopes, stride_sb=mods.stride_sb, H=H, diag_lo=diag_lo, cap=mods.cap,
+                    alibi_diag=diag0 if mods.score_mod == 2 else 0, **mods.meta())
     args = (q, k, v, do, lse2, delta, dk, dv, dq_acc, N, Nk, diag, qk_scale, sm_scale, group)
-    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), CAUSAL=causal, DQ_ATOMIC=atomic)
+    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), DQ_ATOMIC=atomic, **mod_args)
     if config is None and interpreting():
         config = {"dkdv": _INTERPRETER_BWD_CONFIG, "dq": _INTERPRETER_BWD_CONFIG}
     if config is not None:
@@ -472,14 +558,13 @@ def flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, alig
         _cast_rows[(triton.cdiv(n, 1024),)](dq_acc, dq, n, BLOCK=1024)
     else:
         dq_args = (q, k, v, do, lse2, delta, dq, N, Nk, diag, qk_scale, sm_scale, group)
+        dq_meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), **mod_args)
         if config is not None:
             cfg = config["dq"]
-            _bwd_dq[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](*dq_args, HEAD_DIM=d, BLOCK_D=head_block(d),
-                                                             CAUSAL=causal, **cfg,
+            _bwd_dq[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](*dq_args, **dq_meta, **cfg,
                                                              EVEN=_even(dict(N=N, Nk=Nk, **cfg)))
         else:
-            _bwd_dq_tuned[_d_class(d)][lambda m: (triton.cdiv(N, m["BLOCK_M"]), B * H)](
-                *dq_args, HEAD_DIM=d, BLOCK_D=head_block(d), CAUSAL=causal)
+            _bwd_dq_tuned[_d_class(d)][lambda m: (triton.cdiv(N, m["BLOCK_M"]), B * H)](*dq_args, **dq_meta)
     return dq, dk, dv
 
 
@@ -487,21 +572,24 @@ class FlashAttentionFunction(torch.autograd.Function):
     """O = softmax(q k^T * sm_scale [+ causal mask]) v with the course's Triton forward and backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, align, dq_mode):
-        o, lse = flash_attn_triton(q, k, v, causal=causal, sm_scale=sm_scale, align=align)
+    def forward(ctx, q, k, v, causal, sm_scale, align, dq_mode, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None):
+        mods = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+        o, lse = flash_attn_triton(q, k, v, causal=causal, sm_scale=sm_scale, align=align, **mods)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, sm_scale, align, dq_mode)
+        ctx.args = (causal, sm_scale, align, dq_mode, mods)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        causal, sm_scale, align, dq_mode = ctx.args
-        dq, dk, dv = flash_attn_bwd_triton(do, q, k, v, o, lse, causal, sm_scale, align, dq_mode=dq_mode)
-        return dq, dk, dv, None, None, None, None
+        causal, sm_scale, align, dq_mode, mods = ctx.args
+        dq, dk, dv = flash_attn_bwd_triton(do, q, k, v, o, lse, causal, sm_scale, align, dq_mode=dq_mode, **mods)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left", *, dq_mode=None):
+def flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left", *, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, dq_mode=None):
     """Differentiable attention: q [B, H, N, d], k, v [B, Hkv, Nk, d] -> O [B, H, N, d] (q's dtype).
 
     The drop-in for ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)``
@@ -509,6 +597,12 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left", *, d
     Hkv: grouped-query attention (SDPA's ``enable_gqa=True``), with no copy of k and v in either pass.
     fp16/bf16 (and fp32) on a CUDA GPU; fp32/fp16 on the CPU under TRITON_INTERPRET=1. d a multiple of 8 up to
     256 (d > 128 needs more shared memory than a T4's 64 KB: a clear error there).
+
+    ``window_size``, ``softcap``, ``alibi_slopes``: the FlashAttention library's (``flash_attn_func``), on the
+    causal diagonal of ``align`` (see ``flash_attn_triton``): row i sees key j when i + diag - left <= j <=
+    i + diag + right; softcap * tanh(s / softcap) on the scaled score; s - slope[b, h] * |i + diag - j|.
+    The slopes get no gradient.
     """
-    _check_inputs(q, k, v, causal, align)
-    return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, align, dq_mode)
+    B, H, _, _, _, _ = _check_inputs(q, k, v, causal, align)
+    _check_mods(causal, window_size, softcap, alibi_slopes, H, B, q.device)
+    return FlashAttentionFunction.apply(q, k, v, causal, sm_scale, align, dq_mode, window_size, softcap, alibi_slopes)

@@ -1,5 +1,5 @@
 """The FlashAttention-2 forward in Triton (lesson 07): ``flash_attn_triton(q, k, v, causal=False, sm_scale=None,
-align="top_left") -> (O, lse)``.
+align="top_left", *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> (O, lse)``.
 
 k, v may have fewer heads than q (grouped-query attention). One program owns BLOCK_M query rows of one
 (batch, head), keeps them in registers and streams the keys and values past them BLOCK_N at a time, with the
@@ -8,6 +8,12 @@ exponential is one ``exp2``. Key tiles fall into three classes: tiles every row 
 off-band loop, no mask), tiles that need a mask (the causal diagonal band and the ragged last tile: the on-band
 loop) and tiles no row sees (never visited). The block body ``_attn_fwd_rows`` is shared with the packed
 variable-length forward (``helpers/kernels/varlen.py``).
+
+The FlashAttention library's options, as ``tl.constexpr`` switches of the same loop (off: the code of plain
+attention, unchanged): a sliding window (``window_size``; the upper bound reuses the causal switch, the lower
+bound ``WINDOW`` adds a masked lower band before the full tiles, and keys below it are never visited), Gemma 2's
+softcap and ALiBi (``SCORE_MOD``: the score is modified in natural units, then times log2(e)). ``_check_mods``
+and ``Mods`` check the arguments for every launcher (dense, packed, forward, backward).
 
 References: Dao, "FlashAttention-2" (2023), Algorithm 1; the fused-attention tutorial of Triton. Written for
 this course; numbers in bench/NOTES.md.
@@ -18,12 +24,14 @@ small fixed tile configuration so tests stay fast).
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
+from .block_sparse import _check_window, _tanh
 from .common import (LN2, LOG2E, SHAPES, TensorDescriptor, _check_dense_kv, _check_qkv, _device_limits, _load_d,
                      head_block, prune_for_device, tile_configs, use_tma_for)
 
@@ -36,18 +44,38 @@ __all__ = ["flash_attn_triton"]
 
 
 @triton.jit
+def _score_mod(qk, rows, cols, sm_scale, cap, slope, alibi_diag, SCORE_MOD: tl.constexpr):
+    """The score modification of a tile of raw scores ``qk``: returns (the modified score in base-2 units, its
+    derivative with respect to the scaled score s = qk * sm_scale). rows, cols: query and key indices shaped to
+    broadcast against qk ([M, 1] and [1, N], or transposed). SCORE_MOD 1: softcap, ``cap * tanh(s / cap)``
+    (Gemma 2); 2: ALiBi, ``s - slope * |i + alibi_diag - j|``. Computed in natural units, then times log2(e)."""
+    s = qk * sm_scale  # natural units
+    dmod = 1.0
+    if SCORE_MOD == 1:
+        t = _tanh(s / cap)
+        s = cap * t
+        dmod = 1.0 - t * t  # d(cap tanh(s / cap)) / ds
+    else:
+        s = s - slope * tl.abs(rows + alibi_diag - cols).to(tl.float32)
+    return s * LOG2E, dmod
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M]; q [BLOCK_M, D]
     k_ptrs, v_ptrs, stride_kn, stride_vn,  # pointer path: tile of key/value rows at start_n = 0
     desc_k, desc_v, kv_row0, kv_col0,  # TMA path: 2-D descriptors; this head's keys start at (kv_row0, kv_col0)
     lo, hi,  # key range [lo, hi) to visit, lo a multiple of BLOCK_N
-    offs_m, offs_n, qk_scale, Nk, diag,  # diag: row i sees keys j <= i + diag (causal)
+    offs_m, offs_n, qk_scale, Nk, diag,  # diag: row i sees keys j <= i + diag (CAUSAL: the upper bound)
+    diag_lo, sm_scale, cap, slope, alibi_diag,  # WINDOW: row i sees keys j >= i + diag_lo; the score mod's scalars
     HEAD_DIM: tl.constexpr,  # the head dim d (a multiple of 8)
     BLOCK_D: tl.constexpr,  # the width the tiles have: head_block(d), the next power of two >= 16
     BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,  # False: off-band tiles, all visible; True: the band / ragged tail
-    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,  # False: full tiles, all visible; True: the bands / ragged tail
+    CAUSAL: tl.constexpr,  # an upper bound: j <= i + diag
     USE_TMA: tl.constexpr,
+    WINDOW: tl.constexpr,  # a lower bound: j >= i + diag_lo
+    SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
 ):
     d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM  # [BLOCK_D] the real columns (zeros are loaded past d)
     for start_n in range(lo, hi, BLOCK_N):
@@ -73,16 +101,33 @@ def _attn_fwd_inner(
             keep = cols[None, :] < Nk  # [1, BLOCK_N]
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + diag)  # [BLOCK_M, BLOCK_N]
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            if WINDOW:
+                keep = keep & (cols[None, :] >= offs_m[:, None] + diag_lo)  # [BLOCK_M, BLOCK_N]
+            if SCORE_MOD == 0:
+                qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            else:  # the modification before the mask and the running max
+                s2, _ = _score_mod(qk, offs_m[:, None], cols[None, :], sm_scale, cap, slope, alibi_diag, SCORE_MOD)
+                qk = tl.where(keep, s2, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
-            # a row that has seen no key yet keeps m = -inf: subtract 0 instead (no NaN)
-            m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(qk - m_ij[:, None])  # [BLOCK_M, BLOCK_N]
-        else:
+            # a row that has seen no key yet subtracts 0 instead of -inf (no NaN)
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            if not WINDOW:  # its first key is in the first tile visited: it may keep the 0 as its max
+                m_ij = m_sub
+            # With a lower bound a row's first key can come in a later tile: its max stays -inf, else a far key
+            # with a very negative score would give p = exp2(s - 0), lost to underflow in P V while l keeps it.
+            p = tl.math.exp2(qk - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
+        elif SCORE_MOD == 0:
             m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_M]
+            m_sub = m_ij
             p = tl.math.exp2(qk * qk_scale - m_ij[:, None])  # [BLOCK_M, BLOCK_N]
+        else:
+            cols = start_n + offs_n  # [BLOCK_N]
+            s2, _ = _score_mod(qk, offs_m[:, None], cols[None, :], sm_scale, cap, slope, alibi_diag, SCORE_MOD)
+            m_ij = tl.maximum(m_i, tl.max(s2, 1))  # [BLOCK_M]
+            m_sub = m_ij
+            p = tl.math.exp2(s2 - m_ij[:, None])  # [BLOCK_M, BLOCK_N]
         # -- online softmax: rescale what we had, add this tile ---------------
-        alpha = tl.math.exp2(m_i - m_ij)  # [BLOCK_M]
+        alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_M]
         l_i = l_i * alpha + tl.sum(p, 1)  # [BLOCK_M]
         acc = acc * alpha[:, None]  # [BLOCK_M, D]
         acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, D]
@@ -95,25 +140,30 @@ def _attn_fwd_rows(
     q,  # [BLOCK_M, D] this block's query rows (zeros past the last row)
     k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,  # as in _attn_fwd_inner
     start_m, offs_m, offs_n, qk_scale, Nk, diag,  # start_m: block index; offs_m: rows from 0 of the sequence
+    diag_lo, sm_scale, cap, slope, alibi_diag,  # as in _attn_fwd_inner
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     USE_TMA: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SCORE_MOD: tl.constexpr,
 ):
     """One block of query rows against keys [0, Nk): returns (O [BLOCK_M, D] float32, lse [BLOCK_M] natural log).
 
-    Shared by the dense forward and the packed variable-length one (helpers/kernels/varlen.py): the caller
-    finds the rows and the keys, this visits the key tiles in their classes and normalises.
+    Row i sees key j when j < Nk, j <= i + diag (CAUSAL) and j >= i + diag_lo (WINDOW). Shared by the dense
+    forward and the packed variable-length one (helpers/kernels/varlen.py): the caller finds the rows and the
+    keys, this visits the key tiles in their classes and normalises.
     """
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running numerator (columns past d stay 0)
 
-    # Tile classes. Off-band: keys [0, band_lo) are seen in full by every row.
-    # On-band: keys [band_lo, band_hi) need a mask (diagonal, ragged tail).
-    # Keys >= band_hi are seen by no row of this block: never visited.
+    # Tile classes, in key order. Keys [0, win_lo): seen by no row (below the first row's lower bound), never
+    # visited. [win_lo, full_lo): the lower band, masked (WINDOW only). [full_lo, band_lo): seen in full by every
+    # row, no mask. [band_lo, band_hi): the upper band (diagonal, ragged tail), masked. Keys >= band_hi: seen by
+    # no row of this block, never visited. Without WINDOW, win_lo = full_lo = 0: lesson 04's three classes.
     if CAUSAL:
         first_row_end = tl.minimum(tl.maximum(start_m * BLOCK_M + diag + 1, 0), Nk)  # keys < this: all rows
         band_lo = (first_row_end // BLOCK_N) * BLOCK_N
@@ -121,16 +171,31 @@ def _attn_fwd_rows(
     else:
         band_lo = (Nk // BLOCK_N) * BLOCK_N
         band_hi = Nk
+    if WINDOW:
+        win_lo = tl.minimum(tl.maximum(start_m * BLOCK_M + diag_lo, 0), Nk)  # the first row's first key
+        last_row_lo = tl.minimum(tl.maximum(start_m * BLOCK_M + BLOCK_M - 1 + diag_lo, 0), Nk)  # keys >= : all rows
+        full_lo = ((last_row_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,
+            (win_lo // BLOCK_N) * BLOCK_N, tl.minimum(full_lo, band_hi), offs_m, offs_n, qk_scale, Nk, diag,
+            diag_lo, sm_scale, cap, slope, alibi_diag,
+            HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, USE_TMA, WINDOW, SCORE_MOD,
+        )
+        band_lo = tl.maximum(band_lo, full_lo)  # a window narrower than a tile: no full tile, nothing twice
+    else:
+        full_lo = 0
 
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,
-        0, band_lo, offs_m, offs_n, qk_scale, Nk, diag,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, USE_TMA,
+        full_lo, band_lo, offs_m, offs_n, qk_scale, Nk, diag,
+        diag_lo, sm_scale, cap, slope, alibi_diag,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, USE_TMA, WINDOW, SCORE_MOD,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, kv_col0,
         band_lo, band_hi, offs_m, offs_n, qk_scale, Nk, diag,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, USE_TMA,
+        diag_lo, sm_scale, cap, slope, alibi_diag,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, USE_TMA, WINDOW, SCORE_MOD,
     )
 
     # epilogue: normalise; a row that saw no key gets O = 0, lse = -inf
@@ -141,7 +206,7 @@ def _attn_fwd_rows(
     return acc, lse
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["diag_lo", "alibi_diag"])  # the window's and ALiBi's offsets: one compile for all N
 def _attn_fwd(
     Q, K, V, O, LSE,
     desc_k, desc_v,
@@ -154,8 +219,13 @@ def _attn_fwd(
     BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM): loads and stores along d are masked with HEAD_DIM
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr,  # an upper bound: row i sees keys j <= i + diag
     USE_TMA: tl.constexpr,
+    # the library's options, last and off by default (a launch written before them still runs):
+    SLOPES=None, stride_sb=0,  # ALiBi: slope of (b, h) at SLOPES[b * stride_sb + h] (stride_sb = 0: one per head)
+    diag_lo=0, sm_scale=1.0, cap=1.0, alibi_diag=0,  # the window's lower bound, the score mod's scalars
+    WINDOW: tl.constexpr = False,  # a lower bound: row i sees keys j >= i + diag_lo
+    SCORE_MOD: tl.constexpr = 0,  # 0 none, 1 softcap, 2 ALiBi
 ):
     # grid = (cdiv(N, BLOCK_M), B * H); causal blocks run heaviest (last) first
     if CAUSAL:
@@ -183,11 +253,14 @@ def _attn_fwd(
     row_ok = offs_m < N  # [BLOCK_M] the last block may run past N
     io_ok = row_ok[:, None] & d_ok[None, :]  # [BLOCK_M, D]
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=io_ok, other=0.0)  # [BLOCK_M, D]
+    slope = 0.0
+    if SCORE_MOD == 2:
+        slope = tl.load(SLOPES + off_b * stride_sb + off_h)
 
     acc, lse = _attn_fwd_rows(
         q, k_ptrs, v_ptrs, stride_kn, stride_vn, desc_k, desc_v, kv_row0, 0,
-        start_m, offs_m, offs_n, qk_scale, Nk, diag,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA,
+        start_m, offs_m, offs_n, qk_scale, Nk, diag, diag_lo, sm_scale, cap, slope, alibi_diag,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA, WINDOW, SCORE_MOD,
     )
     tl.store(LSE + off_bh.to(tl.int64) * N + offs_m, lse, mask=row_ok)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), mask=io_ok)
@@ -223,7 +296,7 @@ def _set_kv_block_shape(nargs):
 
 _attn_fwd_tuned = triton.autotune(
     configs=_fwd_configs(),
-    key=["N", "Nk", "HEAD_DIM", "CAUSAL", "USE_TMA"],
+    key=["N", "Nk", "HEAD_DIM", "CAUSAL", "USE_TMA", "WINDOW", "SCORE_MOD"],
     prune_configs_by={"early_config_prune": lambda configs, nargs, **kw: prune_for_device("fwd", configs, nargs, kw)},
 )(_attn_fwd)
 
@@ -247,7 +320,62 @@ def _check_use_tma(use_tma, q):
                          f"takes the pointer path: leave use_tma=None")
 
 
-def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *, use_tma=None, config=None):
+# ----------------------------------------------------------------------------
+# The FlashAttention library's window_size, softcap, alibi_slopes: checks and the kernels' switches
+# ----------------------------------------------------------------------------
+
+class Mods(NamedTuple):
+    """The checked window and score modification: ``left``, ``right`` (-1 unbounded; causal folded in as right = 0),
+    ``score_mod`` (0 none, 1 softcap, 2 ALiBi), ``cap``, ``slopes`` (float32 [H] or [B, H], or None) and the slopes'
+    batch stride (0 for [H])."""
+    left: int
+    right: int
+    score_mod: int
+    cap: float
+    slopes: torch.Tensor | None
+    stride_sb: int
+
+    def diags(self, diag):
+        """(upper, lower) bounds for the kernels from the causal diagonal ``diag``: row i sees key j when
+        i + diag - left <= j <= i + diag + right. An unbounded side gives 0 (its switch is off)."""
+        return (diag + self.right if self.right >= 0 else 0), (diag - self.left if self.left >= 0 else 0)
+
+    def meta(self):
+        """The kernels' constexpr switches: CAUSAL (an upper bound), WINDOW (a lower bound), SCORE_MOD."""
+        return dict(CAUSAL=self.right >= 0, WINDOW=self.left >= 0, SCORE_MOD=self.score_mod)
+
+
+def _check_mods(causal, window_size, softcap, alibi_slopes, H, batch, device, batch_name="B"):
+    """Checks the library's arguments; returns ``Mods``. ``batch``: the slopes' leading dim when 2-D (B, or the
+    number of sequences of a packed batch, named ``batch_name``)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    left, right = _check_window(window_size)
+    if causal:
+        right = 0  # the library: causal with a window means right = 0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a number (0.0 = off), got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0 = off), got {softcap!r}")
+    score_mod, cap, stride_sb = (1 if softcap > 0 else 0), (float(softcap) if softcap > 0 else 1.0), 0
+    if alibi_slopes is not None:
+        if softcap > 0:
+            raise ValueError("softcap and alibi_slopes together are not supported: pass one of them")
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+            got = alibi_slopes.dtype if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+            raise TypeError(f"alibi_slopes must be a float32 torch.Tensor [H] or [{batch_name}, H], got {got}")
+        if alibi_slopes.device != device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {device}")
+        if tuple(alibi_slopes.shape) not in ((H,), (batch, H)):
+            raise ValueError(f"alibi_slopes must be [H] = [{H}] or [{batch_name}, H] = [{batch}, {H}], "
+                             f"got {tuple(alibi_slopes.shape)}")
+        alibi_slopes = alibi_slopes.contiguous()
+        score_mod, stride_sb = 2, (H if alibi_slopes.dim() == 2 else 0)
+    return Mods(left, right, score_mod, cap, alibi_slopes, stride_sb)
+
+
+def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, use_tma=None, config=None):
     """Attention forward: returns ``(O, lse)``.
 
     q: [B, H, N, d], d a multiple of 8 up to 256; k, v: [B, Hkv, Nk, d] (Nk may differ from N; H a multiple of
@@ -263,6 +391,17 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
     every key). The two agree when N == Nk. With bottom_right and N > Nk the
     first N - Nk rows see nothing: O = 0, lse = -inf.
 
+    The FlashAttention library's ``flash_attn_func`` options, on the same diagonal (diag = 0 top-left, Nk - N
+    bottom-right):
+
+    * window_size=(left, right): row i sees key j when i + diag - left <= j <= i + diag + right; -1 is
+      unbounded on that side; causal=True sets right = 0. (-1, -1) without causal is full attention, (-1, 0)
+      is causal. A row that sees no key gets O = 0, lse = -inf.
+    * softcap > 0: the scaled score s = q.k * sm_scale becomes softcap * tanh(s / softcap) (Gemma 2), before
+      the mask and the softmax; 0.0 is off.
+    * alibi_slopes: float32 [H] or [B, H] on q's device: s becomes s - slope[b, h] * |i + diag - j|. Not
+      together with softcap.
+
     sm_scale: defaults to 1/sqrt(d). ``use_tma`` and ``config`` (a dict with
     BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; leave them
     as None to autotune.
@@ -274,10 +413,12 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if align not in ("top_left", "bottom_right"):
         raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    mods = _check_mods(bool(causal), window_size, softcap, alibi_slopes, H, B, q.device)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     qk_scale = float(sm_scale) * LOG2E.value  # scores in base-2 units: exp(s) = exp2(s * LOG2E)
-    diag = (Nk - N) if (causal and align == "bottom_right") else 0
+    diag0 = (Nk - N) if align == "bottom_right" else 0
+    diag, diag_lo = mods.diags(diag0)  # row i sees keys diag_lo + i <= j <= i + diag
 
     o = torch.empty_like(q)  # [B, H, N, d]
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N]
@@ -298,14 +439,17 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
         o.stride(0), o.stride(1), o.stride(2),
         H, Hkv, N, Nk, diag, qk_scale,
     )
+    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), USE_TMA=bool(use_tma), SLOPES=mods.slopes, stride_sb=mods.stride_sb,
+                diag_lo=diag_lo, sm_scale=float(sm_scale), cap=mods.cap,
+                alibi_diag=diag0 if mods.score_mod == 2 else 0, **mods.meta())
     if interpreting() or config is not None:
         cfg = dict(_INTERPRETER_FWD_CONFIG if config is None else config)
         if use_tma:
             desc_k.block_shape = [cfg["BLOCK_N"], d]
             desc_v.block_shape = [cfg["BLOCK_N"], d]
         grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * H)
-        _attn_fwd[grid](*args, HEAD_DIM=d, BLOCK_D=head_block(d), CAUSAL=bool(causal), USE_TMA=bool(use_tma), **cfg)
+        _attn_fwd[grid](*args, **meta, **cfg)
     else:
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _attn_fwd_tuned[grid](*args, HEAD_DIM=d, BLOCK_D=head_block(d), CAUSAL=bool(causal), USE_TMA=bool(use_tma))
+        _attn_fwd_tuned[grid](*args, **meta)
     return o, lse

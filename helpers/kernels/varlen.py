@@ -10,11 +10,13 @@ layout. Two public functions:
   ``seq_idx[p]`` that starts at packed row ``q_start[p]``; no program is spent on
   padding, and none waits on a host sync to learn the lengths.
 * ``flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-  max_seqlen_k, causal=False, sm_scale=None) -> (O, lse)``: q ``[total_q, H, d]``,
+  max_seqlen_k, causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0,
+  alibi_slopes=None) -> (O, lse)``: q ``[total_q, H, d]``,
   k, v ``[total_k, Hkv, d]``. Each program finds its sequence's rows and keys, then
   runs the dense forward's block body (``_attn_fwd_rows`` and its inner loop
   ``_attn_fwd_inner`` from helpers/kernels/forward.py: one source) with that
-  sequence's lengths. Causal is bottom-right per sequence, as in the library.
+  sequence's lengths. Causal is bottom-right per sequence, as in the library; so are
+  the sliding window and ALiBi (slopes [H] or [num_seqs, H]); softcap as in the dense forward.
 
 References: Dao, "FlashAttention-2" (2023); the FlashAttention library's varlen
 interface (``cu_seqlens``, ``max_seqlen``). Written for this course.
@@ -29,7 +31,7 @@ import triton.language as tl
 from ..triton_mode import interpreting
 from .common import (LOG2E, SHAPES, TensorDescriptor, _check_head_dim, _check_qkv, head_block, prune_for_device,
                      tile_configs)
-from .forward import _attn_fwd_rows, _check_use_tma, _set_kv_block_shape, _use_tma_default
+from .forward import _attn_fwd_rows, _check_mods, _check_use_tma, _set_kv_block_shape, _use_tma_default
 
 __all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m"]
 
@@ -93,12 +95,16 @@ def _attn_fwd_varlen(
     SEQ_IDX, Q_START, CU_Q, CU_K,  # the map [P], [P]; cu_seqlens [B + 1], [B + 1]
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     total_q, H, Hkv, qk_scale,
+    SLOPES, stride_sb,  # ALiBi: slope of (sequence b, head h) at SLOPES[b * stride_sb + h] (stride_sb = 0: per head)
+    left, right, sm_scale, cap,  # the window (each side >= 0 when its switch is on), the score mod's scalars
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM): the columns past HEAD_DIM are masked
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr,  # an upper bound: j <= i + Nk - N + right (causal: right = 0)
     USE_TMA: tl.constexpr,
+    WINDOW: tl.constexpr,  # a lower bound: j >= i + Nk - N - left
+    SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
 ):
     # grid = (P, H): program (p, h) owns entry p of the map for query head h
     pid = tl.program_id(0)
@@ -113,7 +119,13 @@ def _attn_fwd_varlen(
     N = tl.load(CU_Q + seq + 1).to(tl.int32) - q_beg  # this sequence's query rows
     Nk = tl.load(CU_K + seq + 1).to(tl.int32) - k_beg  # and keys
     diag = Nk - N  # causal, bottom-right: row i sees key j when j <= i + Nk - N
+    alibi_diag = diag  # ALiBi's distance |i + Nk - N - j|
+    diag_lo = diag - left  # the window: i + diag - left <= j <= i + diag + right
+    diag = diag + right
     start_m = (tl.load(Q_START + pid) - q_beg) // BLOCK_M  # block index within the sequence
+    slope = 0.0
+    if SCORE_MOD == 2:
+        slope = tl.load(SLOPES + seq * stride_sb + off_h)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows, counted from the sequence's first
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -134,8 +146,8 @@ def _attn_fwd_varlen(
     # nothing of another request (not even a NaN) reaches this one.
     acc, lse = _attn_fwd_rows(
         q, k_ptrs, v_ptrs, stride_kt, stride_vt, desc_k, desc_v, k_beg, off_hkv * HEAD_DIM,
-        start_m, offs_m, offs_n, qk_scale, Nk, diag,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA,
+        start_m, offs_m, offs_n, qk_scale, Nk, diag, diag_lo, sm_scale, cap, slope, alibi_diag,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA, WINDOW, SCORE_MOD,
     )
     tl.store(LSE + off_h.to(tl.int64) * total_q + q_beg + offs_m, lse, mask=row_ok)
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty), mask=io_ok)
@@ -179,8 +191,9 @@ def varlen_block_m(d):
 def _tuned(d_class):
     configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_kv_block_shape)
                for bn, w, s in _VARLEN_SHAPES[d_class][1]]
-    return triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "USE_TMA"], prune_configs_by={
-        "early_config_prune": lambda cs, nargs, **kw: prune_for_device("varlen", cs, nargs, kw)})(_attn_fwd_varlen)
+    return triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "USE_TMA", "WINDOW", "SCORE_MOD"],
+                           prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: prune_for_device(
+                               "varlen", cs, nargs, kw)})(_attn_fwd_varlen)
 
 
 _attn_fwd_varlen_tuned = {c: _tuned(c) for c in _VARLEN_SHAPES}
@@ -253,7 +266,8 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 
 def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                             sm_scale=None, *, validate=True, block_map=None, use_tma=None, config=None):
+                             sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, validate=True,
+                             block_map=None, use_tma=None, config=None):
     """Attention over packed sequences of different lengths: returns ``(O, lse)``.
 
     q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv (query head h reads KV head
@@ -266,6 +280,11 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     sequence, row i of a sequence with lengths (n, nk) sees key j when j <= i + nk - n (the library's
     convention); a row that sees no key (n > nk, or nk = 0) gets O = 0, lse = -inf.
 
+    The library's ``flash_attn_varlen_func`` options, on the same per-sequence diagonal diag = nk - n:
+    window_size=(left, right): row i sees key j when i + diag - left <= j <= i + diag + right (-1 unbounded;
+    causal sets right = 0); softcap > 0: s = q.k * sm_scale becomes softcap * tanh(s / softcap); alibi_slopes:
+    float32 [H] or [num_seqs, H] on q's device, s becomes s - slope[b, h] * |i + diag - j| (not with softcap).
+
     validate: check the cu_seqlens values (0 first, non-decreasing, ending at total_q / total_k, within
     max_seqlen): one copy to the host, a sync. False skips it (nothing then waits for the GPU; wrong
     values give wrong results). block_map: the grid's map, ``varlen_block_map(cu_seqlens_q,
@@ -275,6 +294,7 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     """
     total_q, H, d, total_k, Hkv, B = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                           max_seqlen_k, causal, validate)
+    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, B, q.device, "num_seqs")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     qk_scale = float(sm_scale) * LOG2E.value  # scores in base-2 units
@@ -312,9 +332,10 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         seq_idx, q_start, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         total_q, H, Hkv, qk_scale,
+        mods.slopes, mods.stride_sb, max(mods.left, 0), max(mods.right, 0), float(sm_scale), mods.cap,
     )
     grid = (seq_idx.numel(), H)
-    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), CAUSAL=causal, USE_TMA=bool(use_tma))
+    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), USE_TMA=bool(use_tma), **mods.meta())
     if config is not None:
         cfg = dict(config)
         if use_tma:
