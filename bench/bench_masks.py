@@ -262,6 +262,12 @@ def main(argv=None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from helpers.kernels import block_sparse as bs
+    # One compiled FlexAttention serves every row: each new mask, score_mod or shape is a recompile, and past
+    # dynamo's recompile limit (8 by default) torch.compile silently runs flex_attention eagerly, which
+    # materialises every score (a 68x slower "FlexAttention" in a first run of this script). Lift the limit.
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 10_000)
     flex = torch.compile(flex_attention, dynamic=False)
     gpu = torch.cuda.get_device_name()
     path = results_path(gpu, prefix="masks_")
