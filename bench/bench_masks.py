@@ -316,6 +316,9 @@ def main(argv=None):
                             del dm
                         if args.bwd:
                             row.update(backward(q, k, v, course, fbm, fmod, flex))
+                            if route == "varlen":  # the documents' backward through the block index, beside
+                                bsb = backward(q, k, v, CoursePath(q, k, v, None, bm, mod, spec), fbm, fmod, flex)
+                                row["block_sparse_bwd_ms"] = bsb.get("course_bwd_ms")
                 except Exception as e:  # noqa: BLE001 - recorded in the row
                     row["error"] = why(e, 300)
                     log(f"    {row['error']}")
