@@ -41,7 +41,7 @@ def _ref(q, k, v, diag=0, window=(-1, -1), causal=False, softcap=0.0, slopes=Non
     B, H, N, d = q.shape
     Nk = k.shape[2]
     group = H // k.shape[1]
-    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    q, k, v = q.double().cpu(), k.double().cpu().repeat_interleave(group, 1), v.double().cpu().repeat_interleave(group, 1)
     left, right = window
     right = 0 if causal else right
     i, j = torch.arange(N)[:, None], torch.arange(Nk)[None, :]  # [N, 1], [1, Nk]
