@@ -141,14 +141,19 @@ def test_rows_that_see_nothing():
 
 def test_short_window_reads_only_the_window(monkeypatch):
     """A (4, 0) window at the end of a 200-key cache: every split's keys lie in the window's tiles. Keys
-    outside it are poisoned with NaN (a read of one would show in O), and the result matches anyway.
+    below the tile that holds the window's first key are poisoned with NaN (a read of one would show in O), and
+    the result matches anyway. (That tile itself is read whole, the keys below the window masked: like every
+    cached key, they must be finite. Its size is the launcher's BLOCK_N: 16 under the interpreter, up to 128 on
+    a GPU, where the autotuner picks it; an H200 run that poisoned below 176 failed whenever it picked 128.)
     num_splits=None picks the splits for the 4 + Nq keys a row block can see, not for the 200 cached."""
     lens = (200, 5)
     q, k, v = make_cache(2, 1, 4, 2, 16, 200, torch.float32, seed=4)
     want = reference_mods(q, k, v, lens, window_size=(4, 0))
     k, v = k.clone(), v.clone()
-    k[0, :176] = float("nan")  # below the tile (16 keys) holding key 195 = 199 - 4
-    v[0, :176] = float("nan")
+    widest = max(c["BLOCK_N"] for c in decode_module._decode_configs(q, 16, 16)) if ON_GPU else 16
+    below = (195 // widest) * widest  # the first key of the tile holding key 195 = 199 - 4
+    k[0, :below] = float("nan")
+    v[0, :below] = float("nan")
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     picked = []
     pick = decode_module._pick_num_splits

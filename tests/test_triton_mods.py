@@ -112,7 +112,8 @@ def test_reference_agrees_with_lesson12():
                                       ((-1, 2), False, dict(slopes=slopes), L.alibi(slopes, 30, 45))):
         ro, rl = _ref(q, k, v, 15, window, causal, **mod)
         for h in range(2):
-            lo, ll = L.attention_mods_ref(q[0, h], k[0, h], v[0, h], L.sliding_window(30, 45, window, causal), lmod,
+            lo, ll = L.attention_mods_ref(q[0, h].cpu(), k[0, h].cpu(), v[0, h].cpu(),  # lesson 12's: on the CPU
+                                          L.sliding_window(30, 45, window, causal), lmod,
                                           h=h)
             assert torch.allclose(ro[0, h], lo) and torch.equal(torch.isneginf(rl[0, h]), torch.isneginf(ll))
 
