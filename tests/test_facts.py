@@ -565,3 +565,23 @@ def test_lesson12_mask_figures_match_their_record():
                      f"grew {grow[128]:.1f}× and {grow[64]:.1f}× from N = 8192 to 65536"):
         assert sentence in readme, f"the README should say: {sentence}"
 
+
+
+def test_lesson11_causal_gqa_figures_match_their_record():
+    """Lesson 11's paragraph on the causal and GQA run carries bench/results/gluon_h200_causal.json's figures."""
+    import json
+    from conftest import ROOT
+    rows = json.loads((ROOT / "bench" / "results" / "gluon_h200_causal.json").read_text())["rows"]
+    assert len(rows) == 8 and all(r[f"{v}_pass"] for r in rows for v in ("gluon", "gluon_pp", "gluon_pp128"))
+    best = [max(r[f"{v}_tflops"] for v in ("gluon", "gluon_pp", "gluon_pp128")) / r["sdpa_cudnn_tflops"] for r in rows]
+    one64 = [r["gluon_tflops"] / r["sdpa_cudnn_tflops"] for r in rows if r["d"] == 64 and not r["causal"]]
+    span = lambda xs, n=2: f"{min(xs):.{n}f}–{max(xs):.{n}f}"  # noqa: E731
+    tf = lambda v, d: [r[f"{v}_tflops"] for r in rows if r["d"] == d]  # noqa: E731
+    ahead = [r for r, b in zip(rows, best) if b > 1]
+    assert {(r["d"], r["causal"]) for r in ahead} == {(64, False)} and len(ahead) == 2  # "only in the two rows ..."
+    text = _flat(_markdown("11_hopper_fa3"))
+    for sentence in (f"The best variant per row ran at {span(best)}× cuDNN",
+                     f"(the one-partition kernel, {span(one64)}×)",
+                     f"ran at {span(tf('gluon_pp128', 128), 0)} TFLOP/s there, about half of `pp`'s {span(tf('gluon_pp', 128), 0)}",
+                     f"it ran at {span(tf('gluon_pp128', 64), 0)} TFLOP/s against `pp`'s {span(tf('gluon_pp', 64), 0)}"):
+        assert sentence in text, f"lesson 11 should say: {sentence}"
