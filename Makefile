@@ -106,10 +106,12 @@ bench:  ## time the kernels (forward, varlen, decode, paged decode, backward wit
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_bwd.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/train_gpt.py
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_bwd.py --gqa-head-dims
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_masks.py --bwd
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_masks.py --d 128 64 --bwd --scaling --targets
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/train_llama.py
 	if $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -c 'import torch, sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))'; then \
-	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --variant one ws overlap pp; fi
+	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --variant one ws overlap pp && \
+	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --variant one pp pp128 --N 16384 \
+	    --dtype bfloat16 --causal --group 1 4 --out bench/results/gluon_h200_causal.json; fi
 
 clean:  ## remove caches (keeps .venv/)
 	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache

@@ -1,7 +1,9 @@
 """Lesson 12's masks and score modifications on one GPU: the course's kernels against FlexAttention and against SDPA
 with a dense boolean mask.
 
-    python3 bench/bench_masks.py [--N 8192 32768] [--d 64 128] [--bwd] [--scaling]
+    python3 bench/bench_masks.py [--N 8192 32768] [--d 64 128] [--bwd] [--scaling] [--targets | --masks NAME ...]
+
+(The recorded run, ``make bench``'s: ``--d 128 64 --bwd --scaling --targets``.)
 
 Per mask and score_mod (causal; sliding windows (1024, 0) and (4096, 0), causal; 8 and 64 packed documents, causal;
 prefix-LM with a quarter of the sequence as prefix; softcap 50 and ALiBi on the causal mask), bf16, H = 16,
@@ -255,7 +257,10 @@ def main(argv=None):
     ap.add_argument("--bwd", action="store_true", help="also time the backward")
     ap.add_argument("--scaling", action="store_true", help="the sliding window's time at N = 8192 and 65536")
     ap.add_argument("--masks", nargs="+", default=None, help="only these masks (names as in the table)")
+    ap.add_argument("--targets", action="store_true", help="only the issue's masks (TARGET_MASKS): the recorded run")
     args = ap.parse_args(argv)
+    if args.targets:
+        args.masks = list(TARGET_MASKS)
     if not torch.cuda.is_available():
         sys.exit(NEEDS_CUDA)
     import torch.nn.functional as F
