@@ -559,6 +559,9 @@ def test_lesson12_mask_figures_match_their_record():
     ]
     for sentence in expected:
         assert sentence in text, f"lesson 12 should say: {sentence}"
+    # the interview: "faster than FlexAttention on every window, softcap and ALiBi row we timed"
+    assert "on every window, softcap and ALiBi row we timed" in _interview("12_masks_and_score_mods")
+    assert min(fwd["windows"] + fwd["softcap"] + fwd["ALiBi"]) > 1
     readme = _flat((ROOT / "README.md").read_text())
     for sentence in (f"{geo(fwd_all):.2f}× in geometric mean over the 24 rows", f"{geo(bwd_all):.2f}× in geometric mean",
                      f"ran {sdpa[128]:.0f}× (d = 128) and {sdpa[64]:.0f}× (d = 64) faster than SDPA",
