@@ -46,8 +46,9 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .common import LOG2E, SHAPES, _check_dense_kv, _check_qkv, _load_d, head_block, prune_for_device, tile_configs
-from .forward import _check_mods, _score_mod, flash_attn_triton
+from .common import (LOG2E, SHAPES, _check_dense_kv, _check_qkv, _load_d, _score_mod, head_block, prune_for_device,
+                     tile_configs)
+from .forward import _check_mods, flash_attn_triton
 
 __all__ = ["flash_attention", "flash_attn_bwd_triton", "FlashAttentionFunction", "DEFAULT_DQ_MODE"]
 
@@ -91,7 +92,7 @@ def _bwd_dkdv_inner(
     stride_qm,  # elements from one query row to the next in Q, DO and DQ (HEAD_DIM dense; H * D packed)
     lo, hi,  # query rows [lo, hi) to visit, lo a multiple of BLOCK_M
     offs_n, N, Nk, diag, qk_scale, sm_scale,  # offs_n [BLOCK_N]: this program's key indices
-    diag_lo, cap, slope, alibi_diag,  # the window's lower bound; the score mod's scalars (forward._score_mod)
+    diag_lo, cap, slope, alibi_diag,  # the window's lower bound; the score mod's scalars (common._score_mod)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # head_block(HEAD_DIM): the tiles' width, the columns past HEAD_DIM masked
     BLOCK_M: tl.constexpr,

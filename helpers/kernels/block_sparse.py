@@ -35,8 +35,9 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .common import (LN2, LOG2E, SHAPES, TensorDescriptor, _check_dense_kv, _check_qkv, _device_limits,
-                     fitting_configs, smem_estimate, tile_configs, use_tma_for)
+from .common import (LN2, LOG2E, SHAPES, TensorDescriptor, _check_alibi_slopes, _check_dense_kv, _check_qkv,
+                     _check_window, _device_limits, _score_mod, fitting_configs, smem_estimate, tile_configs,
+                     use_tma_for)
 
 __all__ = ["MaskSpec", "full_mask", "causal_mask", "sliding_window_mask", "document_mask", "prefix_lm_mask",
            "SoftCap", "ALiBi", "BlockSparseMask", "build_block_mask_triton", "block_sparse_tiles",
@@ -80,16 +81,6 @@ def full_mask() -> MaskSpec:
 def causal_mask() -> MaskSpec:
     """The library's causal mask, bottom-right aligned: query i sees keys j <= i + Nk - N."""
     return MaskSpec("window", -1, 0, label="causal")
-
-
-def _check_window(window_size):
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), -1 meaning unbounded; got {window_size!r}")
-    left, right = window_size
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size=({left}, {right}): each side is >= 0, or -1 for unbounded")
-    return left, right
 
 
 def sliding_window_mask(window_size=(-1, -1), causal: bool = False) -> MaskSpec:
@@ -262,13 +253,6 @@ def build_block_mask_triton(mask: MaskSpec, N: int, Nk: int, BLOCK_M: int, BLOCK
 
 
 @triton.jit
-def _tanh(x):
-    # tanh from one exp2, exact at both saturations: 2 / (1 + e^(-2x)) - 1
-    e = tl.math.exp2(x * (-2.0 * 1.4426950408889634))  # e^(-2x)
-    return 2.0 / (1.0 + e) - 1.0
-
-
-@triton.jit
 def _block_sparse_inner(
     acc, l_i, m_i, q,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M]; q [BLOCK_M, D]
     k_ptrs, v_ptrs, stride_kn, stride_vn,  # pointer path: tile of key/value rows at start_n = 0
@@ -307,14 +291,8 @@ def _block_sparse_inner(
         # -- the score modification, on the scaled score, before the mask and the running max --
         if SCORE_MOD == 0:
             s = qk  # scaled below (base 2), where the scale can fold into one fused multiply-add
-        else:
-            s = qk * sm_scale  # natural units
-            if SCORE_MOD == 1:
-                s = cap * _tanh(s / cap)
-            else:
-                dist = offs_m[:, None] + off - cols[None, :]  # [BLOCK_M, BLOCK_N] i + Nk - N - j
-                s = s - slope * tl.abs(dist).to(tl.float32)
-            s = s * LOG2E  # base 2
+        else:  # base 2; ALiBi's distance i + Nk - N - j
+            s, _ = _score_mod(qk, offs_m[:, None], cols[None, :], sm_scale, cap, slope, off, SCORE_MOD)
         if PARTIAL:
             keep = cols[None, :] < Nk  # [1, BLOCK_N]
             if MASK == 1 or MASK == 2:  # window (causal included); a document's causal bound
@@ -446,15 +424,7 @@ def _bwd_tile(q, k, v, do, lse2, delta, offs_m, cols, sm_scale, qk_scale, Nk, of
     if SCORE_MOD == 0:
         s2 = qk * qk_scale  # base 2
     else:
-        s = qk * sm_scale
-        if SCORE_MOD == 1:
-            t = _tanh(s / cap)
-            s = cap * t
-            dmod = 1.0 - t * t  # d(cap tanh(s / cap)) / ds
-        else:
-            dist = offs_m[:, None] + off - cols[None, :]
-            s = s - slope * tl.abs(dist).to(tl.float32)
-        s2 = s * LOG2E
+        s2, dmod = _score_mod(qk, offs_m[:, None], cols[None, :], sm_scale, cap, slope, off, SCORE_MOD)
     p = tl.math.exp2(s2 - lse2[:, None])  # [BLOCK_M, BLOCK_N]; lse2 = +inf on rows that see nothing: p = 0
     if PARTIAL:
         keep = cols[None, :] < Nk
@@ -720,14 +690,7 @@ def _score_mod_args(score_mod, B, H, device):
             raise ValueError(f"softcap's cap must be a finite number > 0, got {cap!r}")
         return _MOD_SOFTCAP, float(cap), None, 0
     if isinstance(score_mod, ALiBi):
-        s = score_mod.slopes
-        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
-            raise TypeError("ALiBi slopes must be a float32 torch.Tensor [H] or [B, H]")
-        if s.device != device:
-            raise ValueError(f"ALiBi slopes are on {s.device}, q on {device}")
-        if tuple(s.shape) not in ((H,), (B, H)):
-            raise ValueError(f"ALiBi slopes must be [H] = [{H}] or [B, H] = [{B}, {H}], got {tuple(s.shape)}")
-        s = s.contiguous()
+        s = _check_alibi_slopes(score_mod.slopes, B, H, device, name="ALiBi slopes")
         return _MOD_ALIBI, 1.0, s, (H if s.dim() == 2 else 0)
     raise TypeError(f"score_mod must be None, SoftCap(cap) or ALiBi(slopes); got {type(score_mod).__name__} "
                     "(arbitrary Python score_mods are FlexAttention's: this kernel has a fixed set)")

@@ -10,9 +10,13 @@
 * ``SHAPES``, ``smem_estimate``, ``fitting_configs``, ``launch_configs``, ``prune_for_device``: each kernel
   module registers its tile configurations, and the launchers keep those that fit the GPU's shared memory.
 * ``use_tma_for``, ``check_dtype_for``: TMA from sm_90, bf16 from sm_80.
+* The FlashAttention library's options every family takes: ``_check_window``, ``_check_softcap``,
+  ``_check_alibi_slopes`` (host checks), ``_tanh`` and ``_score_mod`` (softcap and ALiBi on a tile of scores).
 
 Written for this course.
 """
+
+import math
 
 import torch
 import triton
@@ -273,3 +277,65 @@ def check_dtype_for(capability, dtype):
     if dtype == torch.bfloat16 and capability < (8, 0):
         raise ValueError(f"bfloat16 needs a GPU of compute capability 8.0 or newer (A100, RTX 30/40, L4, H100); "
                          f"this one is sm_{capability[0]}{capability[1]} (a T4 is sm_75): use torch.float16")
+
+
+# ----------------------------------------------------------------------------
+# The FlashAttention library's options: window_size, softcap, alibi_slopes
+# ----------------------------------------------------------------------------
+
+
+def _check_window(window_size):
+    """window_size=(left, right): ints >= 0, or -1 for unbounded on that side; returns (left, right)."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 meaning unbounded; got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size=({left}, {right}): each side is >= 0, or -1 for unbounded")
+    return left, right
+
+
+def _check_softcap(softcap):
+    """softcap: a finite number >= 0, 0.0 meaning off; returns it as a float."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a number (0.0 = off), got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0 = off), got {softcap!r}")
+    return float(softcap)
+
+
+def _check_alibi_slopes(slopes, batch, H, device, batch_name="B", name="alibi_slopes"):
+    """ALiBi slopes: a float32 tensor [H] or [batch, H] on q's device; returns it contiguous. ``batch_name``: what
+    the leading dim is called (B, or num_seqs for a packed batch); ``name``: the argument's name in the message."""
+    if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32:
+        got = str(slopes.dtype).replace("torch.", "") if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        raise TypeError(f"{name} must be a float32 torch.Tensor [H] or [{batch_name}, H], got {got}")
+    if slopes.device != device:
+        raise ValueError(f"{name} must be on q's device: {name} is on {slopes.device}, q on {device}")
+    if tuple(slopes.shape) not in ((H,), (batch, H)):
+        raise ValueError(f"{name} must be [H] = [{H}] or [{batch_name}, H] = [{batch}, {H}], got {tuple(slopes.shape)}")
+    return slopes.contiguous()
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from one exp2, exact at both saturations: 2 / (1 + e^(-2x)) - 1
+    e = tl.math.exp2(x * (-2.0 * LOG2E))  # e^(-2x)
+    return 2.0 / (1.0 + e) - 1.0
+
+
+@triton.jit
+def _score_mod(qk, rows, cols, sm_scale, cap, slope, alibi_diag, SCORE_MOD: tl.constexpr):
+    """The score modification of a tile of raw scores ``qk``: returns (the modified score in base-2 units, its
+    derivative with respect to the scaled score s = qk * sm_scale). rows, cols: query and key indices shaped to
+    broadcast against qk ([M, 1] and [1, N], or transposed). SCORE_MOD 1: softcap, ``cap * tanh(s / cap)``
+    (Gemma 2); 2: ALiBi, ``s - slope * |i + alibi_diag - j|``. Computed in natural units, then times log2(e)."""
+    s = qk * sm_scale  # natural units
+    dmod = 1.0
+    if SCORE_MOD == 1:
+        t = _tanh(s / cap)
+        s = cap * t
+        dmod = 1.0 - t * t  # d(cap tanh(s / cap)) / ds
+    else:
+        s = s - slope * tl.abs(rows + alibi_diag - cols).to(tl.float32)
+    return s * LOG2E, dmod

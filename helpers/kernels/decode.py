@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .block_sparse import _tanh
 from .common import (LOG2E, SHAPES, _capturing, _cdiv, _check_dense_kv, _check_qkv, _device_limits, _load_d,
-                     _next_pow2, _num_sms, _shapes, fitting_configs, head_block)
+                     _next_pow2, _num_sms, _shapes, _tanh, fitting_configs, head_block)
 
 __all__ = ["flash_decode_triton"]
 

@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .block_sparse import _check_window, _tanh
-from .common import (LN2, LOG2E, SHAPES, TensorDescriptor, _check_dense_kv, _check_qkv, _device_limits, _load_d,
-                     head_block, prune_for_device, tile_configs, use_tma_for)
+from .common import (LN2, LOG2E, SHAPES, TensorDescriptor, _check_alibi_slopes, _check_dense_kv, _check_qkv,
+                     _check_softcap, _check_window, _device_limits, _load_d, _score_mod, head_block, prune_for_device,
+                     tile_configs, use_tma_for)
 
 __all__ = ["flash_attn_triton"]
 
@@ -41,23 +41,6 @@ __all__ = ["flash_attn_triton"]
 # ----------------------------------------------------------------------------
 # Forward (prefill): the inner loop, on its own
 # ----------------------------------------------------------------------------
-
-
-@triton.jit
-def _score_mod(qk, rows, cols, sm_scale, cap, slope, alibi_diag, SCORE_MOD: tl.constexpr):
-    """The score modification of a tile of raw scores ``qk``: returns (the modified score in base-2 units, its
-    derivative with respect to the scaled score s = qk * sm_scale). rows, cols: query and key indices shaped to
-    broadcast against qk ([M, 1] and [1, N], or transposed). SCORE_MOD 1: softcap, ``cap * tanh(s / cap)``
-    (Gemma 2); 2: ALiBi, ``s - slope * |i + alibi_diag - j|``. Computed in natural units, then times log2(e)."""
-    s = qk * sm_scale  # natural units
-    dmod = 1.0
-    if SCORE_MOD == 1:
-        t = _tanh(s / cap)
-        s = cap * t
-        dmod = 1.0 - t * t  # d(cap tanh(s / cap)) / ds
-    else:
-        s = s - slope * tl.abs(rows + alibi_diag - cols).to(tl.float32)
-    return s * LOG2E, dmod
 
 
 @triton.jit
@@ -353,23 +336,12 @@ def _check_mods(causal, window_size, softcap, alibi_slopes, H, batch, device, ba
     left, right = _check_window(window_size)
     if causal:
         right = 0  # the library: causal with a window means right = 0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a number (0.0 = off), got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0.0 = off), got {softcap!r}")
-    score_mod, cap, stride_sb = (1 if softcap > 0 else 0), (float(softcap) if softcap > 0 else 1.0), 0
+    softcap = _check_softcap(softcap)
+    score_mod, cap, stride_sb = (1 if softcap > 0 else 0), (softcap if softcap > 0 else 1.0), 0
     if alibi_slopes is not None:
         if softcap > 0:
             raise ValueError("softcap and alibi_slopes together are not supported: pass one of them")
-        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
-            got = alibi_slopes.dtype if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
-            raise TypeError(f"alibi_slopes must be a float32 torch.Tensor [H] or [{batch_name}, H], got {got}")
-        if alibi_slopes.device != device:
-            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {device}")
-        if tuple(alibi_slopes.shape) not in ((H,), (batch, H)):
-            raise ValueError(f"alibi_slopes must be [H] = [{H}] or [{batch_name}, H] = [{batch}, {H}], "
-                             f"got {tuple(alibi_slopes.shape)}")
-        alibi_slopes = alibi_slopes.contiguous()
+        alibi_slopes = _check_alibi_slopes(alibi_slopes, batch, H, device, batch_name)
         score_mod, stride_sb = 2, (H if alibi_slopes.dim() == 2 else 0)
     return Mods(left, right, score_mod, cap, alibi_slopes, stride_sb)
 

@@ -26,12 +26,9 @@ tile, the page looked up once per K/V tile (or per row when a page is smaller th
 the splits merged inside the same launch. Written for this course; figures in bench/NOTES.md.
 """
 
-import math
-
 import torch
 
-from .block_sparse import _check_window
-from .common import _check_head_dim, _check_qkv
+from .common import _check_alibi_slopes, _check_head_dim, _check_qkv, _check_softcap, _check_window
 from .decode import _decode_launch
 
 __all__ = ["flash_attn_with_kvcache_triton"]
@@ -48,27 +45,6 @@ def _check_index_tensor(name, x, ndim, device):
         raise ValueError(f"{name} must be on q's device {device}, got {x.device}")
     if not x.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
-
-
-def _check_softcap(softcap):
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a number (0.0: off), got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0.0: off), got {softcap!r}")
-    return float(softcap)
-
-
-def _check_alibi_slopes(slopes, B, H, device):
-    if slopes is None:
-        return None
-    if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32:
-        what = str(slopes.dtype).replace("torch.", "") if isinstance(slopes, torch.Tensor) else type(slopes).__name__
-        raise TypeError(f"alibi_slopes must be a float32 torch.Tensor [H] or [B, H] (or None), got {what}")
-    if tuple(slopes.shape) not in ((H,), (B, H)):
-        raise ValueError(f"alibi_slopes must be [H] = [{H}] or [B, H] = [{B}, {H}], got {tuple(slopes.shape)}")
-    if slopes.device != device:
-        raise ValueError(f"alibi_slopes must be on q's device {device}, got {slopes.device}")
-    return slopes.contiguous()
 
 
 def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=False,
@@ -133,7 +109,8 @@ def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_tab
         raise TypeError(f"causal must be True or False, got {causal!r}")
     window_size = _check_window(window_size)
     softcap = _check_softcap(softcap)
-    alibi_slopes = _check_alibi_slopes(alibi_slopes, B, H, q.device)
+    if alibi_slopes is not None:
+        alibi_slopes = _check_alibi_slopes(alibi_slopes, B, H, q.device)
 
     if q.device.type == "cpu":  # free here: no device to wait for
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
