@@ -28,16 +28,28 @@ import torch.nn.functional as F  # noqa: E402
 from helpers.kernels.forward import flash_attn_triton  # noqa: E402
 
 
+def parse_variant(spec):
+    """``one`` or ``pp@64x128x2``: (row key, variant, blocks or None); blocks = (BLOCK_M, BLOCK_N, NUM_STAGES), a
+    tuning sweep's replacement of the variant's table entry (``gluon_forward(..., blocks=...)``)."""
+    name, _, tiles = spec.partition("@")
+    blocks = tuple(int(x) for x in tiles.split("x")) if tiles else None
+    if blocks is not None and len(blocks) != 3:
+        raise ValueError(f"--variant {spec}: the tiles are BLOCK_MxBLOCK_NxNUM_STAGES, e.g. pp@64x128x2")
+    key = ("gluon" if name == "one" else f"gluon_{name}") + ("_" + tiles if tiles else "")
+    return key, name, blocks
+
+
 def bench_row(q, k, v, causal, variants, gluon_forward):
-    """One row: each Gluon variant checked, then timed; the Triton forward and SDPA flash / cuDNN timed."""
+    """One row: each Gluon variant checked, then timed; the Triton forward and SDPA flash / cuDNN timed. variants:
+    (row key, variant, blocks) triples."""
     B, H, N, d = q.shape
     Hkv = k.shape[1]
     flops = 4 * B * H * N * k.shape[2] * d // (2 if causal else 1)
     row = {"dtype": str(q.dtype).replace("torch.", ""), "d": d, "N": N, "B": B, "H": H, "Hkv": Hkv, "causal": causal}
     kr, vr = (x.repeat_interleave(H // Hkv, 1) for x in (k, v))     # [B, H, Nk, d]: the reference's K, V
-    for name, var in variants:
+    for name, var, blocks in variants:
         try:
-            o, lse = gluon_forward(q, k, v, variant=var, causal=causal)
+            o, lse = gluon_forward(q, k, v, variant=var, causal=causal, blocks=blocks)
             chk = check_prefill(q, kr, vr, causal, o, lse)
         except Exception as e:  # noqa: BLE001 - recorded in the row
             row[f"{name}_error"] = why(e, 200)
@@ -45,7 +57,7 @@ def bench_row(q, k, v, causal, variants, gluon_forward):
         row[f"{name}_pass"] = chk["pass"]
         row[f"{name}_err_ratio"] = round(chk["err"] / max(chk["sdpa_err"], 1e-12), 2)
         if chk["pass"]:
-            ms = bench_ms(lambda: gluon_forward(q, k, v, variant=var, causal=causal))
+            ms = bench_ms(lambda: gluon_forward(q, k, v, variant=var, causal=causal, blocks=blocks))
             row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
     ms = bench_ms(lambda: flash_attn_triton(q, k, v, causal=causal))
     row["triton_tflops"] = round(flops / ms / 1e9, 1)
@@ -59,7 +71,8 @@ def bench_row(q, k, v, causal, variants, gluon_forward):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--N", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--variant", nargs="+", default=["one"], help="Gluon variants: one, ws, overlap, pp")
+    ap.add_argument("--variant", nargs="+", default=["one"],
+                    help="Gluon variants: one, ws, overlap, pp, pp128; VARIANT@BMxBNxSTAGES fixes the tiles (a sweep)")
     ap.add_argument("--ws", action="store_true", help="also the warp-specialised Gluon kernel (--variant ... ws)")
     ap.add_argument("--causal", action="store_true", help="each row's causal twin too (top-left, N = Nk)")
     ap.add_argument("--group", type=int, nargs="+", default=[1], help="query heads per KV head (GQA rows: G > 1)")
@@ -71,13 +84,16 @@ def main(argv=None):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench_gluon.py needs an sm_90 GPU (H100, H200)")
     from helpers.kernels.gluon_forward import VARIANTS, gluon_forward
-    bad = [n for n in names if n not in VARIANTS]
+    try:
+        variants = [parse_variant(n) for n in names]             # (row key, variant, blocks)
+    except ValueError as e:
+        sys.exit(str(e))
+    bad = [n for _, n, _ in variants if n not in VARIANTS]
     if bad:
         sys.exit(f"unknown --variant {bad}: choose from {list(VARIANTS)}")
     gpu = torch.cuda.get_device_name()
     path = args.out or results_path(gpu, prefix="gluon_")
     result = {"meta": run_meta(gpu, timing=TIMING, causal="per row" if args.causal else False), "rows": []}
-    variants = [("gluon" if n == "one" else f"gluon_{n}", n) for n in names]      # (row key, variant)
     for dtype in (getattr(torch, name) for name in args.dtype):
         for d in args.d:
             for N in args.N:
@@ -93,7 +109,7 @@ def main(argv=None):
                         log(row)
                         write_json(path, result)
                     del q, k, v
-    cols = [n for n, _ in variants] + ["triton", "sdpa_flash", "sdpa_cudnn"]
+    cols = [n for n, _, _ in variants] + ["triton", "sdpa_flash", "sdpa_cudnn"]
     log(f"\n{gpu}, torch {torch.__version__}, triton {result['meta']['triton']}, TFLOP/s (median; causal counts half "
         "the FLOPs)")
     log(f"{'dtype':9s} {'d':>4s} {'N':>6s} {'H:Hkv':>6s} {'causal':>6s} " + " ".join(f"{c:>10s}" for c in cols) +
@@ -101,8 +117,8 @@ def main(argv=None):
     for r in result["rows"]:
         vals = " ".join(f"{r.get(c + '_tflops') or 0:10.1f}" for c in cols)
         log(f"{r['dtype']:9s} {r['d']:4d} {r['N']:6d} {r['H'] // r['Hkv']:>4d}:1 {str(r['causal']):>6s} {vals}  " +
-            ", ".join(f"{n}={r.get(n + '_pass', r.get(n + '_error'))}" for n, _ in variants))
-    return 0 if all(r.get(f"{n}_pass") for r in result["rows"] for n, _ in variants) else 1
+            ", ".join(f"{n}={r.get(n + '_pass', r.get(n + '_error'))}" for n, _, _ in variants))
+    return 0 if all(r.get(f"{n}_pass") for r in result["rows"] for n, _, _ in variants) else 1
 
 
 if __name__ == "__main__":

@@ -292,7 +292,7 @@ for d, dt, var, causal in ((64, "bf16", "one", False), (128, "fp16", "one", Fals
     ptx = compile_for_sm90(d=d, dtype=dt, variant=var, causal=causal)
     out[f"{d} {dt} {var}{' causal' if causal else ''}"] = [
         k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx",
-                    "wgmma.wait_group.sync.aligned 1", "div.s32", "%nctaid.y") if k in ptx]
+                    "wgmma.wait_group.sync.aligned 1", "div.s32", "%nctaid.x") if k in ptx]
 print(json.dumps(out))
 """
 
@@ -314,7 +314,7 @@ def test_gluon_forward_compiles_for_sm90():
     found = json.loads(r.stdout.strip().splitlines()[-1])
     want = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx", "div.s32"]
     overlap = want[:4] + ["wgmma.wait_group.sync.aligned 1", "div.s32"]   # waits for S_j while P_{j-1} V_{j-1} runs
-    heavy_first = ["%nctaid.y"]                           # causal: the query block is counted from the grid's end
+    heavy_first = ["%nctaid.x"]                           # causal: the query block is counted from the grid's end
     assert found == {"64 bf16 one": want, "128 fp16 one": want, "64 fp16 ws": want, "128 bf16 ws": want,
                      "64 bf16 pp": overlap, "128 fp16 pp": overlap, "128 bf16 overlap": overlap,
                      "64 bf16 one causal": want + heavy_first, "128 fp16 ws causal": want + heavy_first,
@@ -406,8 +406,10 @@ def _gluon_module():
     ("d = 32", {}, ValueError, "must be one of 64, 128"),
     ("Nk = 0", {}, ValueError, "at least one query and one key"),
     ("cpu", {}, ValueError, "needs an sm_90 GPU"),
-    ("cpu", {"variant": "pingpong"}, ValueError, "variant must be one of one, ws, overlap, pp, pp128"),
+    ("cpu", {"variant": "pingpong"}, ValueError, "variant must be one of auto, one, ws, overlap, pp, pp128"),
     ("cpu", {"sm_scale": "0.1"}, TypeError, "sm_scale must be a Python number"),
+    ("cpu", {"blocks": (64, 96, 2)}, ValueError, "BLOCK_N a power of two from 16 to 256"),
+    ("cpu", {"blocks": (64, 128)}, ValueError, "blocks must be (BLOCK_M, BLOCK_N, NUM_STAGES)"),
     ("cpu", {"causal": True, "align": "bottom-right"}, ValueError, "align must be 'top_left' or 'bottom_right'"),
     ("3 KV heads for 2", {"causal": True}, ValueError, "must be a multiple of Hkv"),
 ])

@@ -14,7 +14,8 @@ Causal (``causal=True``, ``align`` "top_left" or "bottom_right", ``flash_attn_tr
 j <= i + diag): a program visits key tiles only up to its last row's diagonal (``_n_tiles``), the tiles every row sees
 in full go through the loop with no mask, and only the tiles on the diagonal band and the ragged last tile are
 masked, with ``where`` on the S tile in registers (``_n_free``, ``_softmax_tile``; the ``CAUSAL`` and ``MASK``
-constexprs). The grid is (B·H, query blocks) read backwards, so the heaviest query blocks launch first. Where a
+constexprs). The grid is (query blocks, B·H) with the query block read backwards, so each head's heaviest query blocks
+launch first and the CTAs running side by side read one head's K and V (L2 hits; see ``_program_ids``). Where a
 producer and consumers share the ring, the kernel computes ``n_tiles`` once per program and hands the same value to
 each partition: the barriers' phase rule is unchanged, only the number of laps differs between programs. A row that
 sees no key gets O = 0 and lse = -inf.
@@ -58,7 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .common import LN2, LOG2E, _check_dense_kv
 
 __all__ = ["gluon_forward", "gluon_forward_selftest", "compile_for_sm90", "BLOCKS", "PP_BLOCKS", "PP128_BLOCKS",
-           "VARIANTS"]
+           "VARIANTS", "AUTO_VARIANT"]
 
 # The TMA load's name: async_copy_global_to_shared in Triton 3.6 (the GPU machine's), async_load from 3.7 on.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -71,15 +72,16 @@ BLOCKS = {64: (128, 128, 2), 128: (128, 64, 2)}
 # ------------------------------------------------------------------ pieces every variant shares
 @gluon.jit
 def _program_ids(CAUSAL: gl.constexpr):
-    """(query block, batch·head) of this program. Non-causal: grid (query blocks, B*H). Causal: grid (B*H, query
-    blocks) read backwards, so that every head's last query blocks, which visit the most key tiles, launch first and
-    the light ones fill in behind them."""
+    """(query block, batch·head) of this program; grid (query blocks, B*H). Causal: the query block is read from the
+    end, so every head's last query blocks, which visit the most key tiles, launch first and the light ones fill in
+    behind them. The CTAs that run side by side are one head's (the grid's first axis varies fastest): they read the
+    same K and V, which stay in L2. (A first version ran the grid as (B*H, query blocks), one query block of every
+    head side by side: each CTA streamed another head's K and V from HBM; at d = 64, N = 16384 in bf16 the "one"
+    kernel ran causal at 0.75x its non-causal speed, the Triton forward at 0.97x; H200, 2026-12-01.)"""
+    start_m = gl.program_id(0)
     if CAUSAL:
-        start_m = gl.num_programs(1) - 1 - gl.program_id(1)
-        off_bh = gl.program_id(0)
-    else:
-        start_m = gl.program_id(0)
-        off_bh = gl.program_id(1)
+        start_m = gl.num_programs(0) - 1 - start_m
+    off_bh = gl.program_id(1)
     return start_m, off_bh
 
 
@@ -327,8 +329,10 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
 # tile j runs while the tensor cores still do P_{j-1} V_{j-1}. With PINGPONG the two warpgroups also take turns to
 # issue their GEMMs (mbarriers turn[0], turn[1]: FA3 uses named barriers), so one's softmax runs under the other's
 # GEMMs. (BLOCK_M, BLOCK_N, NUM_STAGES) per head dim: BLOCK_M rows per warpgroup; shared memory for bf16 at d = 128:
-# Q 2 x 16 KiB + 3 stages x (K + V) 2 x 16 KiB = 128 KiB.
-PP_BLOCKS = {64: (64, 128, 3), 128: (64, 64, 3)}
+# Q 2 x 16 KiB + 3 stages x (K + V) 2 x 32 KiB = 224 KiB of the 227 available. BLOCK_N = 128 at d = 128 (FA3 uses
+# 128 causal, 176 not): on an H200 (bf16, N = 16384, 2026-12-01, one run, bench_gluon.py's sweep) 617 TFLOP/s
+# against 546 with BLOCK_N = 64 (and 537 with 128 and 2 stages), causal 544 against 510.
+PP_BLOCKS = {64: (64, 128, 3), 128: (64, 128, 3)}
 # "pp128": each consumer warpgroup owns 128 rows (CTA 256 rows), FA3's tile for d = 128, with the consumers' registers
 # raised to 240 each by warp_specialize (the producer warp keeps 24): acc alone is 128 fp32 registers a thread at
 # d = 128. Shared memory for bf16 at d = 128: Q 2 x 32 KiB + 2 stages x (K + V) 2 x 16 KiB = 128 KiB. ptxas (Triton
@@ -481,8 +485,14 @@ def _gl_dtype(torch_dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[torch_dtype]
 
 
+# "auto": the variant per (head dim, causal) that was fastest on an H200 (bf16 and fp16, N = 4096 and 16384, one run
+# on 2026-12-01 after the grid and PP_BLOCKS changes, bench_gluon.py): the one-partition kernel without a mask at
+# d = 64 (two CTAs share an SM), ping-pong everywhere else. flash_attn_triton routes to it on sm_90.
+AUTO_VARIANT = {(64, False): "one", (64, True): "pp", (128, False): "pp", (128, True): "pp"}
+
 # variant -> what it is (the kernel and its launch: _launch_spec)
 VARIANTS = {
+    "auto": "the fastest measured per head dim and mask (AUTO_VARIANT)",
     "one": "one partition: the same warps load and compute (_attn_fwd)",
     "ws": "a producer warp + one consumer partition (_attn_fwd_ws)",
     "overlap": "a producer warp + two consumer warpgroups, intra-warpgroup overlap (_attn_fwd_pp, PINGPONG=False)",
@@ -491,13 +501,29 @@ VARIANTS = {
 }
 
 
-def _launch_spec(variant, d):
-    """(kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra constexprs, query rows per CTA, num_warps) of a variant."""
+def _launch_spec(variant, d, blocks=None):
+    """(kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra constexprs, query rows per CTA, num_warps) of a variant;
+    ``blocks`` (BLOCK_M, BLOCK_N, NUM_STAGES) replaces the variant's table entry (a tuning sweep's)."""
+    if blocks is not None:
+        blocks = _check_blocks(blocks)
     if variant in ("overlap", "pp", "pp128"):
-        bm, bn, st = (PP128_BLOCKS if variant == "pp128" else PP_BLOCKS)[d]
+        bm, bn, st = blocks or (PP128_BLOCKS if variant == "pp128" else PP_BLOCKS)[d]
         return _attn_fwd_pp, (bm, bn, st), {"PINGPONG": variant != "overlap"}, 2 * bm, 4   # + 4 + 1 worker warps
-    bm, bn, st = BLOCKS[d]
+    bm, bn, st = blocks or BLOCKS[d]
     return (_attn_fwd_ws if variant == "ws" else _attn_fwd), (bm, bn, st), {}, bm, bm // 16
+
+
+def _check_blocks(blocks):
+    """(BLOCK_M, BLOCK_N, NUM_STAGES): BLOCK_M 64 or 128 (one warpgroup's or two's rows), BLOCK_N a power of two from
+    16 to 256 (Gluon tensors have power-of-two shapes; wgmma's N), 1 to 4 stages."""
+    try:
+        bm, bn, st = (int(x) for x in blocks)
+    except (TypeError, ValueError):
+        raise ValueError(f"gluon_forward: blocks must be (BLOCK_M, BLOCK_N, NUM_STAGES), got {blocks!r}") from None
+    if bm not in (64, 128) or bn not in (16, 32, 64, 128, 256) or not 1 <= st <= 4:
+        raise ValueError(f"gluon_forward: blocks {blocks!r}: BLOCK_M must be 64 or 128, BLOCK_N a power of two from "
+                         "16 to 256, NUM_STAGES 1 to 4")
+    return bm, bn, st
 
 
 def _variant(variant, warp_specialize):
@@ -562,7 +588,8 @@ def _diag(causal, align, N, Nk):
     return (Nk - N) if (causal and align == "bottom_right") else 0
 
 
-def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, causal=False, align="top_left"):
+def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, causal=False, align="top_left",
+                  blocks=None):
     """(O, lse) of attention: q ``[B, H, N, d]``, k, v ``[B, Hkv, Nk, d]`` (H a multiple of Hkv: query head h reads
     KV head h // (H // Hkv)) on an sm_90 GPU, bf16 or fp16, d = 64 or 128. O has q's dtype, lse is float32 in natural
     log. ``causal``: row i sees key j when j <= i + diag, diag = 0 for ``align="top_left"``, Nk - N for
@@ -571,17 +598,23 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, c
     launch first. ``variant`` (``VARIANTS``): ``"one"`` (default), ``"ws"`` (FA3's split: a producer warp that only
     loads and the compute warps, handing stages over through full/empty barriers; ``warp_specialize=True`` says the
     same), ``"overlap"`` (a producer warp and two consumer warpgroups, each issuing the next QK^T before this tile's
-    softmax) and ``"pp"`` (those warpgroups also take turns on the tensor cores: FA3's ping-pong).
-    Raises TypeError or ValueError, before any GPU work, for inputs it cannot take."""
+    softmax), ``"pp"`` (those warpgroups also take turns on the tensor cores: FA3's ping-pong) and ``"auto"`` (the
+    fastest measured for this head dim and mask, ``AUTO_VARIANT``). ``blocks``
+    (BLOCK_M, BLOCK_N, NUM_STAGES) replaces the variant's tiles (for a tuning sweep; BLOCK_M is per warpgroup in the
+    two-warpgroup variants). Raises TypeError or ValueError, before any GPU work, for inputs it cannot take."""
     import torch
     variant = _variant(variant, warp_specialize)
     _check_align(align)
+    if blocks is not None:
+        _check_blocks(blocks)
     _check_inputs(q, k, v, sm_scale)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, H, N, d = q.shape
+    if variant == "auto":
+        variant = AUTO_VARIANT[(d, bool(causal))]
     Hkv, Nk = k.shape[1], k.shape[2]
     diag = _diag(causal, align, N, Nk)
-    kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, rows_per_cta, num_warps = _launch_spec(variant, d)
+    kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, rows_per_cta, num_warps = _launch_spec(variant, d, blocks)
     q2 = q.contiguous().view(B * H * N, d)                       # [B*H*N, d]
     k2 = k.contiguous().view(B * Hkv * Nk, d)                    # [B*Hkv*Nk, d]
     v2 = v.contiguous().view(B * Hkv * Nk, d)
@@ -595,20 +628,24 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, c
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
     qk_scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * LOG2E.value
     n_blocks = triton.cdiv(N, rows_per_cta)
-    grid = (B * H, n_blocks) if causal else (n_blocks, B * H)   # causal: _program_ids reads it last block first
+    grid = (n_blocks, B * H)                                     # causal: _program_ids reads it last block first
     kernel[grid](q_desc, k_desc, v_desc, o, lse, N, Nk, H // Hkv, diag, qk_scale,
                  HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=bool(causal), **extra,
                  num_warps=num_warps)
     return o, lse
 
 
-def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None, causal=False):
-    """Compile one variant's kernel for sm_90 with Triton's own compiler, no GPU needed; returns the PTX. (GQA needs
+def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None, causal=False, blocks=None,
+                     compiled=False):
+    """Compile one variant's kernel for sm_90 with Triton's own compiler, no GPU needed; returns the PTX, or with
+    ``compiled=True`` the compiled kernel (its ``asm`` and ``metadata``: shared memory, ptxas's spills). (GQA needs
     no compile of its own: the query heads per KV head are a runtime argument.)"""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     variant = _variant(variant, warp_specialize)
-    kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, _, num_warps = _launch_spec(variant, d)
+    if variant == "auto":
+        variant = AUTO_VARIANT[(d, bool(causal))]
+    kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, _, num_warps = _launch_spec(variant, d, blocks)
     el = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, d], el)
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], el)
@@ -622,8 +659,8 @@ def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None, c
     const = {"HEAD_DIM": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "CAUSAL": bool(causal),
              **extra, "num_warps": num_warps}
     src = GluonASTSource(kernel, sig, const)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    return compiled.asm["ptx"]
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return kernel if compiled else kernel.asm["ptx"]
 
 
 # Self-test cases (B, H, Hkv, N, Nk, causal, align): ragged N and Nk, N = 1, Nk = 1, N != Nk both ways, GQA 4:1
