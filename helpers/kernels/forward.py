@@ -346,8 +346,35 @@ def _check_mods(causal, window_size, softcap, alibi_slopes, H, batch, device, ba
     return Mods(left, right, score_mod, cap, alibi_slopes, stride_sb)
 
 
+BACKENDS = ("auto", "triton", "gluon")
+
+
+def _why_not_gluon(q, mods, use_tma, config):
+    """'' when lesson 11's Gluon forward (``gluon_forward.py``, sm_90 only) can take this call, else why not: it
+    takes bf16/fp16, d = 64 or 128, full or causal attention (either alignment), GQA; no window, softcap or ALiBi,
+    and no fixed Triton tiles (``use_tma``, ``config`` name the Triton kernel's)."""
+    if interpreting() or q.device.type != "cuda":
+        return "the Gluon kernels run only natively on an sm_90 GPU (no interpreter, no CPU)"
+    cap = _device_limits(q.device)[0]
+    if cap != (9, 0):
+        return f"the Gluon kernels need sm_90 (H100, H200); this GPU is sm_{cap[0]}{cap[1]}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon kernels take bfloat16 or float16, not {str(q.dtype).replace('torch.', '')}"
+    if q.shape[-1] not in (64, 128):
+        return f"the Gluon kernels take d = 64 or 128, not {q.shape[-1]}"
+    if mods.left >= 0 or mods.right > 0 or mods.score_mod:
+        return "the Gluon kernels have no window_size, softcap or alibi_slopes"
+    if use_tma is not None or config is not None:
+        return "use_tma and config fix the Triton kernel's tiles"
+    try:
+        from . import gluon_forward  # noqa: F401  (a Triton without Gluon's Hopper API cannot import it)
+    except ImportError as e:
+        return f"this Triton has no Gluon Hopper API ({e})"
+    return ""
+
+
 def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, use_tma=None, config=None):
+                      alibi_slopes=None, use_tma=None, config=None, backend="auto"):
     """Attention forward: returns ``(O, lse)``.
 
     q: [B, H, N, d], d a multiple of 8 up to 256; k, v: [B, Hkv, Nk, d] (Nk may differ from N; H a multiple of
@@ -377,6 +404,11 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
     sm_scale: defaults to 1/sqrt(d). ``use_tma`` and ``config`` (a dict with
     BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; leave them
     as None to autotune.
+
+    backend: "auto" runs lesson 11's Gluon forward (``gluon_forward(..., variant="auto")``) where it can take the
+    call, an sm_90 GPU with bf16/fp16, d = 64 or 128, full or causal attention and no window, softcap, ALiBi,
+    ``use_tma`` or ``config``, since there it was faster (bench/NOTES.md); the Triton kernel everywhere else.
+    "triton" always runs the Triton kernel; "gluon" the Gluon one, or a ValueError that says why it cannot.
     """
     _check_qkv(q, k, v, (4, 4, 4))
     B, H, N, d = q.shape
@@ -389,6 +421,16 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     qk_scale = float(sm_scale) * LOG2E.value  # scores in base-2 units: exp(s) = exp2(s * LOG2E)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if backend != "triton":
+        why = _why_not_gluon(q, mods, use_tma, config)
+        if backend == "gluon" and why:
+            raise ValueError(f"backend='gluon': {why}")
+        if not why:
+            from .gluon_forward import gluon_forward
+            return gluon_forward(q, k, v, sm_scale=float(sm_scale), variant="auto", causal=mods.right == 0,
+                                 align=align)
     diag0 = (Nk - N) if align == "bottom_right" else 0
     diag, diag_lo = mods.diags(diag0)  # row i sees keys diag_lo + i <= j <= i + diag
 
