@@ -1,0 +1,598 @@
+"""A FlashAttention backward in Gluon for Hopper (sm_90): TMA loads through an mbarrier ring, ``warpgroup_mma`` for
+all five GEMMs, P recomputed in base 2 from the forward's lse. Lesson 11's GPU section, the backward half.
+
+What it computes: ``gluon_backward(do, q, k, v, o, lse, causal, sm_scale, align) -> (dq, dk, dv)``, the same
+contract as the course's Triton backward ``flash_attn_bwd_triton`` (helpers/kernels/backward.py, whose docstring
+has the algorithm): q, o, do ``[B, H, N, d]``, k, v ``[B, Hkv, Nk, d]`` (GQA: H a multiple of Hkv, dk and dv summed
+over each KV head's group inside the kernel), lse ``[B, H, N]`` float32 in natural log (-inf for a row that saw no
+key), bf16 or fp16, d = 64 or 128, ragged N and Nk, causal in both alignments (row i sees key j when j <= i + diag;
+diag = 0 "top_left", Nk - N "bottom_right"). dq, dk, dv come back in the inputs' dtype; a row that sees no key
+gets dq = 0 exactly and adds nothing to dk, dv.
+
+Three launches:
+
+1. Preprocess, the course's Triton kernel ``backward._bwd_preprocess`` (plain ``tl``, compiles for sm_90 like any
+   Triton kernel): D = rowsum(dO * O) fp32 ``[B*H*N]`` and lse2 = lse * log2(e), +inf where lse = -inf so that
+   P = exp2(S * qk_scale - lse2) = 0 on such a row. One memory-bound pass over O and dO: nothing in it needs a
+   tensor core or the TMA, so a Gluon copy would add code and no speed.
+2. dK/dV, ``_bwd_dkdv``: one program per (block of BLOCK_N keys, batch·KV head), ``BLOCK_N // 16`` warps (8 at
+   BLOCK_N = 128: two warpgroups, each owning 64 of the keys, i.e. 64 rows of every transposed tile). K_j and V_j
+   come in once by TMA; then the query tiles stream through a ring of NUM_STAGES shared-memory stages (Q_i and dO_i
+   by TMA, one mbarrier ``full[s]`` per stage, tile t waits on stage t % NUM_STAGES with parity
+   (t // NUM_STAGES) % 2, the forward's rule) over every query head of the group, one head after the other, and
+   (causal) only the query blocks at or after the block's diagonal. The program works in the transposed frame
+   (keys on rows), so that dK and dV accumulate in wgmma's accumulator layout with no transposes in registers:
+
+       S^T  = K Q_i^T                  [BLOCK_N, BLOCK_M]  wgmma, A = K (smem), B = Q_i^T (smem, a permuted view)
+       dP^T = V dO_i^T                 [BLOCK_N, BLOCK_M]  wgmma, A = V (smem), B = dO_i^T
+       P^T  = exp2(S^T * qk_scale - lse2_i)                registers (ex2), masked on the causal band only
+       dV  += P^T dO_i                 [BLOCK_N, d]        wgmma, A = P^T from registers (DotOperandLayout)
+       dS^T = P^T * (dP^T - D_i)                           registers
+       dK  += dS^T Q_i                 [BLOCK_N, d]        wgmma, A = dS^T from registers
+
+   S^T and dP^T are issued together asynchronously; the kernel waits for S^T alone and computes P^T while dP^T is on
+   the tensor cores, issues dV asynchronously and waits for dP^T alone (dV may still run) while it forms dS^T, then
+   issues dK and waits for both before the stage is refilled (the same warps issue the loads: no warp
+   specialisation yet). At the end dK *= sm_scale; dK, dV are stored with a row mask (keys < Nk).
+   Query rows past N (the next head's rows in the ``[B*H*N, d]`` view, or the TMA's zeros) need no mask: their
+   lse2 is loaded as +inf and D as 0, so their P and dS are 0. Keys past Nk (the last key block's tail) need none
+   either: every quantity of a key row stays in its own row of dK, dV, and those rows are never stored.
+3. dQ, ``_bwd_dq``: Q-outer like the forward (one program per query block and batch·head, ``BLOCK_M // 16``
+   warps): Q_i, dO_i once by TMA, lse2_i and D_i once in registers, K_j, V_j streamed through the ring over the key
+   tiles the block's rows see (the forward's ``_n_tiles`` and ``_n_free``: unmasked tiles first, then the causal band
+   and the ragged last key tile masked with ``where``):
+
+       S = Q_i K_j^T, dP = dO_i V_j^T  (both issued async, wait for S alone, then for dP);  P = exp2(S*qk_scale - lse2)
+       dS = P * (dP - D);  dQ += dS K_j  (wgmma, A = dS from registers);  at the end dQ *= sm_scale
+
+   Deterministic: every dq element is written once, by one program. (``dq_mode="atomic"``, FA3's way, is not built.)
+
+Grids read the heaviest programs first when causal: dK/dV launches (B·Hkv, key blocks) so every head's first key
+block (seen by the most rows) goes in the first wave; dQ launches (B·H, query blocks) read backwards, as the forward.
+Tiles (``BLOCKS``, ``config=`` overrides them for a sweep) and their shared memory are listed at ``BLOCKS``.
+
+Measured: nothing yet. Every kernel compiles for sm_90 (Triton 3.6 and 3.9; ``compile_backward_for_sm90``) and has
+not yet run natively: no claim about its correctness or speed on a GPU is made here. On an sm_90 GPU:
+``python -m helpers.kernels.gluon_backward`` (``gluon_backward_selftest()``: harsh cases against float64 autograd,
+one line each, exit code 0/1) and ``bench/bench_gluon.py --bwd`` for the timings. ``gluon_backward`` checks its
+inputs on the host first (TypeError/ValueError; a CPU tensor: "needs an sm_90 GPU"). Nothing here runs under
+Triton's interpreter.
+"""
+from __future__ import annotations
+
+import math
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+
+from .common import LOG2E
+from .gluon_forward import (SELFTEST_CASES, _check_align, _check_inputs, _diag, _gl_dtype, _n_free, _n_tiles,
+                            _program_ids, _tma_load)
+
+__all__ = ["gluon_backward", "gluon_backward_selftest", "compile_backward_for_sm90", "BLOCKS"]
+
+# Tiles per head dim: {"dkdv": (BLOCK_M queries, BLOCK_N keys, NUM_STAGES), "dq": (BLOCK_M, BLOCK_N, NUM_STAGES)};
+# num_warps = (dK/dV) BLOCK_N // 16, (dQ) BLOCK_M // 16: one warp per 16 rows of the wgmma accumulator.
+# Shared memory, bf16/fp16 (2 bytes), d = 128:
+#   dK/dV: K + V 2 x 128 x 128 x 2 = 64 KiB, + 2 stages x (Q + dO) 2 x 64 x 128 x 2 = 64 KiB: 128 KiB;
+#   dQ:    Q + dO 2 x 128 x 128 x 2 = 64 KiB, + 2 stages x (K + V) 2 x 64 x 128 x 2 = 64 KiB: 128 KiB.
+# d = 64: dK/dV 32 + 3 x 16 = 80 KiB; dQ 32 + 3 x 16 = 80 KiB. (sm_90 gives a CTA up to 227 KiB.)
+# Registers, d = 128, dK/dV, per thread of a warpgroup owning 64 keys: dK and dV 64 fp32 each, S^T and dP^T
+# [64, BLOCK_M = 64] 32 each, P^T and dS^T as bf16 operands 16 each, lse2 and D 16 each.
+BLOCKS = {64: {"dkdv": (64, 128, 3), "dq": (128, 64, 3)},
+          128: {"dkdv": (64, 128, 2), "dq": (128, 64, 2)}}
+SMEM_LIMIT = 227 * 1024      # bytes of shared memory one CTA may use on sm_90
+
+
+# ------------------------------------------------------------------ dK, dV: KV outer, query tiles streamed
+@gluon.jit
+def _dkdv_tiles(t_lo, t_hi, t_head, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem, q_smem, do_smem, full,
+                q_desc, do_desc, LSE2, DELTA, dk, dv, sT_zero, offs_key, offs_col, N, diag, qk_scale,
+                op_layout: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr):
+    """Tiles [t_lo, t_hi) of the program's flat tile sequence, all of one query head whose first tile is t_head
+    (tile t is that head's query block i_lo + t - t_head). dk, dv [BLOCK_N, HEAD_DIM] fp32; l_row: the head's row 0
+    in LSE2 and DELTA ([B*H*N]); offs_key [BLOCK_N] the program's key indices, offs_col [BLOCK_M] 0..BLOCK_M-1.
+    MASK: the causal band (key c of row r counts when c <= r + diag). After a tile's last GEMM its stage is refilled
+    with tile t + NUM_STAGES, which may belong to the next head (q_row0: the group's first row in q's [B*H*N, d])."""
+    dtype: gl.constexpr = q_smem.dtype
+    for t in range(t_lo, t_hi):
+        s = t % NUM_STAGES                                       # stage of tile t
+        rows = (i_lo + t - t_head) * BLOCK_M + offs_col          # [BLOCK_M] query rows of this head
+        ok = rows < N                                            # rows past N: P = 0 through lse2 = +inf
+        lse2 = gl.load(LSE2 + l_row + rows, mask=ok, other=float("inf"))    # [BLOCK_M], in flight during the wait
+        delta = gl.load(DELTA + l_row + rows, mask=ok, other=0.0)           # [BLOCK_M]
+        mbarrier.wait(full.index(s), (t // NUM_STAGES) & 1)      # lap r waits parity r%2
+        q_tile = q_smem.index(s)                                 # [BLOCK_M, HEAD_DIM]
+        do_tile = do_smem.index(s)                               # [BLOCK_M, HEAD_DIM]
+        sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), sT_zero, use_acc=False, is_async=True)    # K Q^T
+        dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), sT_zero, use_acc=False, is_async=True)  # V dO^T
+        sT = warpgroup_mma_wait(1, deps=(sT,))                   # S^T done; dP^T may still run
+        pT = gl.exp2(sT * qk_scale - lse2[None, :])              # [BLOCK_N, BLOCK_M] P^T
+        if MASK:
+            pT = gl.where(offs_key[:, None] <= rows[None, :] + diag, pT, 0.0)
+        pT_op = gl.convert_layout(pT.to(dtype), op_layout)       # P^T as wgmma's A operand
+        dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)    # dV += P^T dO     [BLOCK_N, HEAD_DIM]
+        dpT = warpgroup_mma_wait(1, deps=(dpT,))                 # dP^T done; dV may still run
+        dsT = pT * (dpT - delta[None, :])                        # [BLOCK_N, BLOCK_M] dS^T
+        dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
+        dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)    # dK += dS^T Q     [BLOCK_N, HEAD_DIM]
+        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=(dv, dk, pT_op, dsT_op))   # stage s is read no more
+        nxt = t + NUM_STAGES                                     # refill stage s with the tile one lap ahead
+        if nxt < n_tiles:
+            g2 = nxt // n_q                                      # its query head within the group
+            row = q_row0 + g2 * N + (i_lo + nxt - g2 * n_q) * BLOCK_M
+            mbarrier.expect(full.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            _tma_load(q_desc, [row, 0], full.index(s), q_tile)
+            _tma_load(do_desc, [row, 0], full.index(s), do_tile)
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DK, DV, N, Nk, group, diag, qk_scale, sm_scale,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    if CAUSAL:                                                   # grid (B*Hkv, key blocks): block 0 of every head first
+        off_bkv = gl.program_id(0)
+        start_n = gl.program_id(1) * BLOCK_N
+    else:                                                        # grid (key blocks, B*Hkv)
+        start_n = gl.program_id(0) * BLOCK_N
+        off_bkv = gl.program_id(1)
+    kv_row = off_bkv * Nk + start_n                              # first key of this block in k viewed [B*Hkv*Nk, d]
+    q_row0 = off_bkv * group * N                                 # row 0 of the group's first query head [B*H*N, d]
+
+    # Query blocks per head: [i_lo, i_mid) on the causal band (masked), [i_mid, n_qb) seen whole (no mask); blocks
+    # below i_lo see none of these keys (causal: row r sees key c when c <= r + diag) and are never visited.
+    n_qb = gl.cdiv(N, BLOCK_M)
+    if CAUSAL:
+        i_lo = gl.minimum(gl.maximum(start_n - diag, 0) // BLOCK_M, n_qb)          # block of the first row that sees
+        r_all = gl.maximum(start_n + BLOCK_N - 1 - diag, 0)                        # rows >= this see every key
+        i_mid = gl.minimum(gl.maximum(gl.cdiv(r_all, BLOCK_M), i_lo), n_qb)
+    else:
+        i_lo = 0
+        i_mid = 0
+    n_q = n_qb - i_lo                                            # tiles per query head
+    n_tiles = group * n_q                                        # the flat sequence: head g's tiles follow g - 1's
+
+    # wgmma layouts, keys on rows: S^T, dP^T [BLOCK_N, BLOCK_M]; dK, dV [BLOCK_N, HEAD_DIM]; one warp per 16 keys
+    sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)  # P^T, dS^T
+
+    # shared memory: K, V once; a ring of NUM_STAGES (Q, dO) stages; a barrier for K, V and one per stage
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(full.index(i), count=1)
+    fence_async_shared()                                         # the barriers' init before the TMA sees them
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [kv_row, 0], kv_bar, k_smem)
+    _tma_load(v_desc, [kv_row, 0], kv_bar, v_smem)
+    for i in gl.static_range(NUM_STAGES):                        # prologue: tile i into stage i (all of head 0 if
+        if i < n_tiles:                                          # n_q < NUM_STAGES: the next heads' then)
+            g = i // n_q
+            row = q_row0 + g * N + (i_lo + i - g * n_q) * BLOCK_M
+            mbarrier.expect(full.index(i), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            _tma_load(q_desc, [row, 0], full.index(i), q_smem.index(i))
+            _tma_load(do_desc, [row, 0], full.index(i), do_smem.index(i))
+
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)     # sum over the group of dS^T Q
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)     # sum over the group of P^T dO
+    sT_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=sT_layout)
+    offs_key = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sT_layout))   # [BLOCK_N] key indices
+    offs_col = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout))             # [BLOCK_M]
+    mbarrier.wait(kv_bar, 0)
+    for g in range(group):                                       # the group's query heads, one after the other
+        t0 = g * n_q                                             # head g's first tile
+        l_row = q_row0 + g * N                                   # its row 0 in LSE2, DELTA
+        if CAUSAL:                                               # the band, masked; then the blocks seen whole
+            dk, dv = _dkdv_tiles(t0, t0 + i_mid - i_lo, t0, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem,
+                                 q_smem, do_smem, full, q_desc, do_desc, LSE2, DELTA, dk, dv, sT_zero, offs_key,
+                                 offs_col, N, diag, qk_scale, op_layout, BLOCK_M, NUM_STAGES, True)
+        dk, dv = _dkdv_tiles(t0 + i_mid - i_lo, t0 + n_q, t0, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem,
+                             q_smem, do_smem, full, q_desc, do_desc, LSE2, DELTA, dk, dv, sT_zero, offs_key,
+                             offs_col, N, diag, qk_scale, op_layout, BLOCK_M, NUM_STAGES, False)
+
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(full.index(i))
+    dk = dk * sm_scale                                           # dS was taken w.r.t. S = q k^T * sm_scale
+    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))      # [BLOCK_N]
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))             # [HEAD_DIM]
+    ptrs = (off_bkv * Nk + keys).to(gl.int64)[:, None] * HEAD_DIM + offs_d[None, :]   # [BLOCK_N, HEAD_DIM]
+    keep = (keys < Nk)[:, None]                                  # the last block's tail is the next head's keys
+    gl.store(DK + ptrs, dk.to(DK.dtype.element_ty), mask=keep)
+    gl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=keep)
+
+
+# ------------------------------------------------------------------ dQ: Q outer, key tiles streamed (the forward's loop)
+@gluon.jit
+def _dq_tiles(lo, hi, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_row, n_tiles, dq, lse2, delta,
+              s_zero, offs_m, offs_n, Nk, diag, qk_scale, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tiles [lo, hi): dq [BLOCK_M, HEAD_DIM] fp32 += dS K_j. lse2, delta [BLOCK_M] beside S; offs_m [BLOCK_M]
+    the rows' indices, offs_n [BLOCK_N] 0..BLOCK_N-1. MASK: key c of row r counts when c < Nk and (causal)
+    c <= r + diag, the others get P = 0."""
+    dtype: gl.constexpr = q_smem.dtype
+    for j in range(lo, hi):
+        s = j % NUM_STAGES                                       # stage of tile j
+        mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # lap r waits parity r%2
+        k_tile = k_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
+        v_tile = v_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
+        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)   # Q K^T
+        dp = warpgroup_mma(do_smem, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dO V^T
+        qk = warpgroup_mma_wait(1, deps=(qk,))                   # S done; dP may still run
+        p = gl.exp2(qk * qk_scale - lse2[:, None])               # [BLOCK_M, BLOCK_N]
+        if MASK:
+            cols = j * BLOCK_N + offs_n                          # [BLOCK_N] key indices
+            keep = (cols < Nk)[None, :]                          # keys past Nk: the next head's, or TMA's zeros
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)     # [BLOCK_M, BLOCK_N]
+            p = gl.where(keep, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds = p * (dp - delta[:, None])                           # [BLOCK_M, BLOCK_N] dS
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_tile, dq)   # += dS K; synchronous
+        nxt = j + NUM_STAGES                                     # stage s is read no more: refill it
+        if nxt < n_tiles:
+            mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [kv_row + nxt * BLOCK_N, 0], full.index(s), k_tile)
+            _tma_load(v_desc, [kv_row + nxt * BLOCK_N, 0], full.index(s), v_tile)
+    return dq
+
+
+@gluon.jit
+def _bwd_dq(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, N, Nk, group, diag, qk_scale, sm_scale,
+            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    start_m, off_bh = _program_ids(CAUSAL)                       # which query block, which (batch, head)
+    q_row = off_bh * N + start_m * BLOCK_M                       # first row of this block in q viewed [B*H*N, d]
+    kv_row = (off_bh // group) * Nk                              # first key of its KV head in k viewed [B*Hkv*Nk, d]
+    n_tiles = _n_tiles(gl.minimum(start_m * BLOCK_M + BLOCK_M, N) - 1, Nk, diag, BLOCK_N, CAUSAL)
+    n_free = gl.minimum(_n_free(start_m * BLOCK_M, Nk, diag, BLOCK_N, CAUSAL), n_tiles)
+
+    # wgmma layouts: S, dP [BLOCK_M, BLOCK_N]; dQ [BLOCK_M, HEAD_DIM]; one warp per 16 rows
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)   # dS from registers
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(full.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row, 0], q_bar, q_smem)
+    _tma_load(do_desc, [q_row, 0], q_bar, do_smem)
+    for i in gl.static_range(NUM_STAGES):                        # prologue: fill the ring, tile i into stage i
+        if i < n_tiles:
+            mbarrier.expect(full.index(i), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [kv_row + i * BLOCK_N, 0], full.index(i), k_smem.index(i))
+            _tma_load(v_desc, [kv_row + i * BLOCK_N, 0], full.index(i), v_smem.index(i))
+
+    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)    # [BLOCK_M] rows of this head
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
+    row_ok = offs_m < N
+    lse2 = gl.load(LSE2 + off_bh * N + offs_m, mask=row_ok, other=float("inf"))   # [BLOCK_M]; past N: P = 0
+    delta = gl.load(DELTA + off_bh * N + offs_m, mask=row_ok, other=0.0)          # [BLOCK_M]
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    # off-band tiles, no mask; then the band (causal) and the ragged last key tile, masked
+    dq = _dq_tiles(0, n_free, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_row, n_tiles, dq, lse2,
+                   delta, s_zero, offs_m, offs_n, Nk, diag, qk_scale, ds_layout, BLOCK_N, NUM_STAGES, False, CAUSAL)
+    dq = _dq_tiles(n_free, n_tiles, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_row, n_tiles, dq, lse2,
+                   delta, s_zero, offs_m, offs_n, Nk, diag, qk_scale, ds_layout, BLOCK_N, NUM_STAGES, True, CAUSAL)
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(full.index(i))
+    dq = dq * sm_scale
+    rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))   # [BLOCK_M]
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))                   # [HEAD_DIM]
+    ptrs = (off_bh * N + rows).to(gl.int64)[:, None] * HEAD_DIM + offs_d[None, :]          # [BLOCK_M, HEAD_DIM]
+    gl.store(DQ + ptrs, dq.to(DQ.dtype.element_ty), mask=(rows < N)[:, None])
+
+
+# ------------------------------------------------------------------ host side
+_KINDS = ("dkdv", "dq")
+
+
+def _tiles(d, config=None):
+    """{"dkdv": (BLOCK_M, BLOCK_N, NUM_STAGES, num_warps), "dq": (...)} for head dim d: ``BLOCKS[d]`` with
+    ``config``'s overrides ({"dkdv": {"BLOCK_M": .., "BLOCK_N": .., "NUM_STAGES": .., "num_warps": ..}, "dq": {..}},
+    any subset). Raises ValueError for a tile the kernels cannot take or that needs more than SMEM_LIMIT."""
+    if config is not None and not isinstance(config, dict):
+        raise TypeError(f"gluon_backward: config must be a dict {{'dkdv': {{...}}, 'dq': {{...}}}} or None, got "
+                        f"{type(config).__name__}")
+    config = config or {}
+    unknown = set(config) - set(_KINDS)
+    if unknown:
+        raise ValueError(f"gluon_backward: config keys are 'dkdv' and 'dq'; got {sorted(unknown)}")
+    out = {}
+    for kind in _KINDS:
+        bm, bn, st = BLOCKS[d][kind]
+        over = config.get(kind) or {}
+        bad = set(over) - {"BLOCK_M", "BLOCK_N", "NUM_STAGES", "num_warps"}
+        if bad:
+            raise ValueError(f"gluon_backward: config[{kind!r}] takes BLOCK_M, BLOCK_N, NUM_STAGES, num_warps; got "
+                             f"{sorted(bad)}")
+        bm, bn, st = over.get("BLOCK_M", bm), over.get("BLOCK_N", bn), over.get("NUM_STAGES", st)
+        acc_rows = bn if kind == "dkdv" else bm                  # the wgmma accumulators' rows: 16 per warp
+        warps = over.get("num_warps", min(8, acc_rows // 16))
+        for name, x in (("BLOCK_M", bm), ("BLOCK_N", bn)):
+            if not isinstance(x, int) or x < 16 or x > 256 or x & (x - 1):
+                raise ValueError(f"gluon_backward: config[{kind!r}][{name!r}] must be a power of two in [16, 256], "
+                                 f"got {x!r}")
+        if warps not in (4, 8) or acc_rows % (16 * warps):
+            raise ValueError(f"gluon_backward: config[{kind!r}]: num_warps must be 4 or 8 and divide "
+                             f"{'BLOCK_N' if kind == 'dkdv' else 'BLOCK_M'} = {acc_rows} into 16-row slices, "
+                             f"got {warps}")
+        if not isinstance(st, int) or not 1 <= st <= 8:
+            raise ValueError(f"gluon_backward: config[{kind!r}]['NUM_STAGES'] must be 1..8, got {st!r}")
+        smem = _smem_bytes(kind, d, bm, bn, st)
+        if smem > SMEM_LIMIT:
+            raise ValueError(f"gluon_backward: config[{kind!r}] = {bm}x{bn}, {st} stages needs {smem // 1024} KiB of "
+                             f"shared memory at d = {d}; sm_90 gives a CTA {SMEM_LIMIT // 1024} KiB")
+        out[kind] = (bm, bn, st, warps)
+    return out
+
+
+def _smem_bytes(kind, d, bm, bn, st):
+    """Shared memory of one CTA at 2 bytes an element: dK/dV holds K, V and st stages of (Q, dO); dQ holds Q, dO and
+    st stages of (K, V); plus the barriers."""
+    once, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
+    return 2 * d * 2 * (once + st * streamed) + 8 * (st + 1)
+
+
+def _check_backward_inputs(do, q, k, v, o, lse, causal, sm_scale, align):
+    """The host checks, before any GPU work: align and causal, do and o of q's shape, dtype and device, lse float32
+    [B, H, N], then the forward's checks of q, k, v (``gluon_forward._check_inputs``, its messages renamed), which
+    end with the device: a CPU tensor gets "needs an sm_90 GPU"."""
+    import torch
+    if not isinstance(causal, bool):
+        raise TypeError(f"gluon_backward: causal must be True or False, got {causal!r}")
+    try:
+        _check_align(align)
+        if isinstance(q, torch.Tensor) and q.dim() == 4:         # else the forward's checks say what q should be
+            for name, x in (("do", do), ("o", o)):
+                if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(q.shape):
+                    raise ValueError(f"gluon_forward: {name} must be a tensor of q's shape {tuple(q.shape)}, got "
+                                     f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+                if x.dtype != q.dtype:
+                    raise TypeError(f"gluon_forward: {name} must have q's dtype {q.dtype}, got {x.dtype}")
+                if x.device != q.device:
+                    raise ValueError(f"gluon_forward: {name} is on {x.device}, q on {q.device}")
+            if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(q.shape[:3]) or \
+                    lse.dtype != torch.float32:
+                raise ValueError(f"gluon_forward: lse must be a float32 tensor of shape {tuple(q.shape[:3])} (the "
+                                 "forward's second output)")
+            if lse.device != q.device:
+                raise ValueError(f"gluon_forward: lse is on {lse.device}, q on {q.device}")
+        _check_inputs(q, k, v, sm_scale)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("gluon_forward", "gluon_backward")) from None
+
+
+def gluon_backward(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left", config=None):
+    """Gradients ``(dq, dk, dv)`` of O = attention(q, k, v) for the upstream gradient ``do``, on an sm_90 GPU.
+
+    q, o, do ``[B, H, N, d]``; k, v ``[B, Hkv, Nk, d]`` (H a multiple of Hkv: query head h reads KV head
+    h // (H // Hkv); dk, dv sum over each KV head's group inside the kernel); lse ``[B, H, N]`` float32 natural log
+    (``gluon_forward``'s or ``flash_attn_triton``'s second output; -inf for a row that saw no key: its gradients are
+    0). bf16 or fp16, d = 64 or 128. ``causal``, ``align``, ``sm_scale`` as in the forward. ``config``: tile
+    overrides for a sweep, {"dkdv": {"BLOCK_M", "BLOCK_N", "NUM_STAGES", "num_warps"}, "dq": {...}} (any subset;
+    ``BLOCKS`` otherwise). Raises TypeError or ValueError, before any GPU work, for inputs it cannot take."""
+    import torch
+    _check_backward_inputs(do, q, k, v, o, lse, causal, sm_scale, align)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .backward import _PRE_BLOCK_M, _bwd_preprocess
+    B, H, N, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    tiles = _tiles(d, config)
+    diag = _diag(causal, align, N, Nk)
+    sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    qk_scale = sm_scale * LOG2E.value
+    q, k, v, o, do = (x.contiguous() for x in (q, k, v, o, do))
+    lse = lse.contiguous()
+
+    delta = torch.empty((B, H, N), device=q.device, dtype=torch.float32)   # [B, H, N] rowsum(dO * O)
+    lse2 = torch.empty_like(delta)                                          # [B, H, N] base 2, +inf on empty rows
+    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](o, do, lse, delta, lse2, N, N * d, d, HEAD_DIM=d,
+                                                           BLOCK_M=_PRE_BLOCK_M, BLOCK_D=d)
+    el = _gl_dtype(q.dtype)
+    q2, do2 = q.view(B * H * N, d), do.view(B * H * N, d)                  # [B*H*N, d]
+    k2, v2 = k.view(B * Hkv * Nk, d), v.view(B * Hkv * Nk, d)              # [B*Hkv*Nk, d]
+
+    def desc(x, rows):
+        return TensorDescriptor.from_tensor(x, [rows, d], gl.NVMMASharedLayout.get_default_for([rows, d], el))
+
+    dk, dv = torch.empty_like(k), torch.empty_like(v)                      # [B, Hkv, Nk, d]
+    bm, bn, st, warps = tiles["dkdv"]
+    n_kb = triton.cdiv(Nk, bn)
+    grid = (B * Hkv, n_kb) if causal else (n_kb, B * Hkv)
+    _bwd_dkdv[grid](desc(q2, bm), desc(k2, bn), desc(v2, bn), desc(do2, bm), lse2, delta, dk, dv, N, Nk, H // Hkv,
+                    diag, qk_scale, sm_scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=st, CAUSAL=bool(causal),
+                    num_warps=warps)
+    dq = torch.empty_like(q)                                               # [B, H, N, d]
+    bm, bn, st, warps = tiles["dq"]
+    n_qb = triton.cdiv(N, bm)
+    grid = (B * H, n_qb) if causal else (n_qb, B * H)                      # causal: _program_ids reads it backwards
+    _bwd_dq[grid](desc(q2, bm), desc(k2, bn), desc(v2, bn), desc(do2, bm), lse2, delta, dq, N, Nk, H // Hkv, diag,
+                  qk_scale, sm_scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=st, CAUSAL=bool(causal),
+                  num_warps=warps)
+    return dq, dk, dv
+
+
+def compile_backward_for_sm90(d=128, dtype="bf16", causal=False, config=None, asm="ptx"):
+    """Compile the backward's kernels for sm_90 with Triton's own compiler, no GPU needed (TTGIR, PTX, and a cubin
+    through the ptxas in Triton's wheel): {"preprocess", "dkdv", "dq"} -> the PTX (``asm``: another of Triton's
+    stages, e.g. "ttgir"). GQA, N, Nk and diag are runtime arguments: nothing to compile for them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from .backward import _PRE_BLOCK_M, _bwd_preprocess
+    el = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    target = GPUTarget("cuda", 90, 32)
+    out = {}
+    pre = ASTSource(_bwd_preprocess, {"O": f"*{dtype}", "DO": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32",
+                                      "LSE2": "*fp32", "N": "i32", "stride_oh": "i32", "stride_om": "i32",
+                                      "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_D": "constexpr"},
+                    {"HEAD_DIM": d, "BLOCK_M": _PRE_BLOCK_M, "BLOCK_D": d})
+    out["preprocess"] = triton.compile(pre, target=target).asm[asm]
+    for kind, kernel in (("dkdv", _bwd_dkdv), ("dq", _bwd_dq)):
+        bm, bn, st, warps = _tiles(d, config)[kind]
+        desc = {rows: f"tensordesc<{dtype}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], el)!r}>"
+                for rows in (bm, bn)}
+        grads = {"DK": f"*{dtype}", "DV": f"*{dtype}"} if kind == "dkdv" else {"DQ": f"*{dtype}"}
+        sig = {"q_desc": desc[bm], "k_desc": desc[bn], "v_desc": desc[bn], "do_desc": desc[bm], "LSE2": "*fp32",
+               "DELTA": "*fp32", **grads, "N": "i32", "Nk": "i32", "group": "i32", "diag": "i32", "qk_scale": "fp32",
+               "sm_scale": "fp32", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+               "NUM_STAGES": "constexpr", "CAUSAL": "constexpr", "num_warps": "constexpr"}
+        const = {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": st, "CAUSAL": bool(causal),
+                 "num_warps": warps}
+        src = GluonASTSource(kernel, sig, const)
+        out[kind] = triton.compile(src, target=target, options={"num_warps": warps}).asm[asm]
+    return out
+
+
+# ------------------------------------------------------------------ the self-test (an sm_90 GPU)
+def _grads_reference(q, k, v, do, causal, align):
+    """float64 autograd (O, lse, dq, dk, dv) through ``helpers.reference.attention_grads`` on k, v repeated to H
+    heads (dk, dv summed back over each group), with the causal mask of ``align``; a row that sees no key has O = 0,
+    lse = -inf and zero gradients."""
+    from .. import reference
+    B, H, N, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    g = H // Hkv
+    mask = reference.causal_mask(N, Nk, align, device=q.device) if causal else None     # [N, Nk] True: attend
+    kr, vr = (x.repeat_interleave(g, 1) for x in (k, v))         # [B, H, Nk, d]
+    o, lse, dq, dk, dv = reference.attention_grads(q, kr, vr, do, mask=mask)
+    dk, dv = (x.view(B, Hkv, g, Nk, d).sum(2) for x in (dk, dv))  # [B, Hkv, Nk, d]
+    return o, lse, dq, dk, dv
+
+
+def _sdpa_grads(q, k, v, do, causal, align):
+    """SDPA's gradients in the inputs' dtype (default dispatch; k, v repeated in the graph, so their gradients sum
+    over the group). A row that sees no key has no SDPA convention, so it is given every key and a zero dO: its
+    gradients are then 0, as the reference's."""
+    import torch
+    import torch.nn.functional as F
+    from .. import reference
+    B, H, N, d = q.shape
+    g = H // k.shape[1]
+    a = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    mask, do_s = None, do
+    if causal:
+        keep = reference.causal_mask(N, k.shape[2], align, device=q.device)    # [N, Nk]
+        seen = keep.any(-1)                                                      # [N]
+        mask = keep | ~seen[:, None]
+        do_s = do * seen[:, None].to(do.dtype)
+    o = F.scaled_dot_product_attention(a[0], a[1].repeat_interleave(g, 1), a[2].repeat_interleave(g, 1),
+                                       attn_mask=mask)
+    o.backward(do_s)
+    return [x.grad for x in a]
+
+
+def gluon_backward_selftest(shapes=None, seed=0, log=None, causal=None, config=None, dtypes=None, dims=(64, 128)):
+    """On an sm_90 GPU: ``gluon_backward`` against float64 autograd on harsh cases (the forward's
+    ``SELFTEST_CASES``: ragged N and Nk, N = 1, Nk = 1, N != Nk both ways, large logits at N = 257, GQA 4:1 and 8:1,
+    causal in both alignments, rows that see no key), bf16 and fp16, d = 64 and 128. The inputs o and lse are the
+    float64 forward's, rounded (o to the dtype, lse to float32), so the backward is tested alone. Per gradient the
+    bound is 2 x SDPA's own backward error in that dtype on the same inputs plus eps(dtype) x max|reference|; every
+    gradient must be finite and a row that sees no key must get dq = 0 exactly. ``causal``: None every case, True or
+    False only those. A case that raises is a failed row (its error kept) and the others still run; ``log(row)`` is
+    called after each. Returns {"cases", "worst" {dq, dk, dv: max error / bound}, "ok", "rows"}."""
+    import torch
+    torch.manual_seed(seed)
+    cases = [c if len(c) == 7 else (c[0], c[1], c[1], c[2], c[3], False, "top_left") for c in shapes or SELFTEST_CASES]
+    cases = [c for c in cases if causal is None or c[5] == causal]
+    rows, worst, ok = [], {"dq": 0.0, "dk": 0.0, "dv": 0.0}, True
+    for dt in dtypes or (torch.bfloat16, torch.float16):
+        for d in dims:
+            for B, H, Hkv, N, Nk, is_causal, align in cases:
+                row = dict(dtype=str(dt).replace("torch.", ""), d=d, shape=(B, H, Hkv, N, Nk),
+                           causal=align if is_causal else False)
+                big = 4.0 if N == 257 else 1.0                   # large logits in one shape
+                q = (torch.randn(B, H, N, d, device="cuda") * big).to(dt)
+                k, v = (torch.randn(B, Hkv, Nk, d, device="cuda").to(dt) for _ in range(2))
+                do = torch.randn(B, H, N, d, device="cuda").to(dt)
+                try:
+                    o64, lse64, *refs = _grads_reference(q, k, v, do, is_causal, align)
+                    mine = gluon_backward(do, q, k, v, o64.to(dt), lse64.float(), causal=is_causal, align=align,
+                                          config=config)
+                    torch.cuda.synchronize()
+                    theirs = _sdpa_grads(q, k, v, do, is_causal, align)
+                except Exception as e:  # noqa: BLE001 - one report for the whole run
+                    ok = False
+                    rows.append(dict(row, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    if log:
+                        log(rows[-1])
+                    continue
+                seen = torch.isfinite(lse64)                     # [B, H, N] rows that see at least one key
+                good = all(bool(torch.isfinite(r).all()) for r in refs)
+                row["ref_finite"] = good
+                for name, m, t, r in zip(("dq", "dk", "dv"), mine, theirs, refs):
+                    err = (m.double() - r).abs().max().item() if r.numel() else 0.0
+                    sdpa = (t.double() - r).abs().max().item() if r.numel() else 0.0
+                    bound = 2 * sdpa + torch.finfo(dt).eps * (r.abs().max().item() if r.numel() else 0.0)
+                    fine = bool(torch.isfinite(m).all()) and err <= bound
+                    row.update({f"{name}_err": err, f"{name}_sdpa_err": sdpa, f"{name}_ok": fine})
+                    worst[name] = max(worst[name], err / bound if bound > 0 else (0.0 if err == 0 else math.inf))
+                    good &= fine
+                empty_ok = bool((mine[0][~seen] == 0).all())     # dq rows of rows that see no key: 0 exactly
+                row.update(empty_rows=int((~seen).sum().item()), empty_ok=empty_ok, ok=good and empty_ok)
+                ok &= row["ok"]
+                rows.append(row)
+                if log:
+                    log(rows[-1])
+                del q, k, v, do, o64, lse64, refs, mine, theirs
+    return {"cases": len(rows), "worst": worst, "ok": ok, "rows": rows}
+
+
+def _fmt(row):
+    """One case on one line: its shape and, per gradient, error / SDPA's error."""
+    head = f"{row['dtype']:8s} d={row['d']:<3d} (B,H,Hkv,N,Nk)={row['shape']} causal={row['causal']}"
+    if "error" in row:
+        return f"FAIL {head}: {row['error']}"
+    errs = " ".join(f"{n} {row[f'{n}_err']:.2e}/{row[f'{n}_sdpa_err']:.2e}" for n in ("dq", "dk", "dv"))
+    empty = f" empty rows {row['empty_rows']} ({'dq 0' if row['empty_ok'] else 'dq NOT 0'})" if row["empty_rows"] else ""
+    return f"{'ok  ' if row['ok'] else 'FAIL'} {head}: err/sdpa_err {errs}{empty}"
+
+
+if __name__ == "__main__":     # on an sm_90 GPU: python -m helpers.kernels.gluon_backward [--causal]
+    import argparse
+
+    import torch
+    ap = argparse.ArgumentParser(description="The Gluon backward against float64 autograd on harsh cases "
+                                             "(an sm_90 GPU).")
+    ap.add_argument("--causal", action="store_true", help="only the causal cases (default: every case)")
+    args = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    result = gluon_backward_selftest(causal=True if args.causal else None, log=lambda r: print(_fmt(r), flush=True))
+    n_bad = sum(not r["ok"] for r in result["rows"])
+    w = result["worst"]
+    print(f"gluon_backward: {result['cases']} cases{' (causal)' if args.causal else ''}, {n_bad} failed; worst "
+          f"error / bound: dq {w['dq']:.2f}, dk {w['dk']:.2f}, dv {w['dv']:.2f}: "
+          f"{'ALL OK' if result['ok'] else 'FAILURES ABOVE'}")
+    raise SystemExit(0 if result["ok"] else 1)
