@@ -1,0 +1,116 @@
+"""The Gluon backward for Hopper (helpers/kernels/gluon_backward.py) without a GPU: it compiles for sm_90 with the
+design it claims (read off the PTX), and its host checks say what is wrong before any GPU work. Its numbers come
+from ``python -m helpers.kernels.gluon_backward`` on an sm_90 GPU, not from here."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from test_lesson11 import _gluon_hopper_api
+
+_COMPILE = """
+import json
+from helpers.kernels.gluon_backward import compile_backward_for_sm90
+feats = ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx",
+         "wgmma.wait_group.sync.aligned 1", "%nctaid.y", "atom.")
+out = {}
+for d, dt, causal in ((64, "bf16", False), (128, "fp16", False), (64, "fp16", True), (128, "bf16", True)):
+    for kind, ptx in compile_backward_for_sm90(d=d, dtype=dt, causal=causal).items():
+        out[f"{d} {dt}{' causal' if causal else ''} {kind}"] = [f for f in feats if f in ptx]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(bool(_gluon_hopper_api()), reason=_gluon_hopper_api() or "ok")
+def test_gluon_backward_compiles_for_sm90():
+    """Triton's compiler, no GPU, in a child process with the interpreter off: the preprocess (the course's tl
+    kernel), the dK/dV kernel and the dQ kernel for d = 64 and 128, bf16 and fp16, causal and not. Both Gluon
+    kernels load by TMA through mbarriers, run wgmma asynchronously with a wait that leaves one group in flight (S
+    or S^T done while dP or dP^T still runs), take one ex2 per score and use no atomics (dQ is its own kernel:
+    deterministic). Causal dQ counts its query block from the grid's end (heaviest first)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    gluon = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx",
+             "wgmma.wait_group.sync.aligned 1"]
+    want = {}
+    for cfg in ("64 bf16", "128 fp16", "64 fp16 causal", "128 bf16 causal"):
+        want[f"{cfg} preprocess"] = []
+        want[f"{cfg} dkdv"] = gluon
+        want[f"{cfg} dq"] = gluon + (["%nctaid.y"] if "causal" in cfg else [])
+    assert found == want, found
+
+
+# ------------------------------------------------------------------ the host checks, on the CPU
+def _module():
+    why = _gluon_hopper_api()
+    if why:
+        pytest.skip(why)
+    from helpers.kernels import gluon_backward
+    return gluon_backward
+
+
+@pytest.mark.parametrize("case, kwargs, err, words", [
+    ("list q", {}, TypeError, "q must be a torch.Tensor"),
+    ("float32", {}, TypeError, "bfloat16 or float16"),
+    ("d = 96", {}, ValueError, "must be one of 64, 128"),
+    ("3 KV heads for 2", {}, ValueError, "H = 2 query heads must be a multiple of Hkv = 3 KV heads"),
+    ("v shape", {}, ValueError, "v must have k's shape"),
+    ("o shape", {}, ValueError, "o must be a tensor of q's shape (1, 2, 8, 64)"),
+    ("do dtype", {}, TypeError, "do must have q's dtype"),
+    ("lse float64", {}, ValueError, "lse must be a float32 tensor of shape (1, 2, 8)"),
+    ("lse shape", {}, ValueError, "lse must be a float32 tensor of shape (1, 2, 8)"),
+    ("cpu", {}, ValueError, "gluon_backward needs an sm_90 GPU"),
+    ("cpu", {"causal": 1}, TypeError, "causal must be True or False"),
+    ("cpu", {"causal": True, "align": "bottom-right"}, ValueError, "align must be 'top_left' or 'bottom_right'"),
+    ("cpu", {"sm_scale": "0.1"}, TypeError, "sm_scale must be a Python number"),
+])
+def test_gluon_backward_says_what_is_wrong_before_any_gpu_work(case, kwargs, err, words):
+    import torch
+    G = _module()
+    bf = dict(dtype=torch.bfloat16)
+    q, k, v, o, do = (torch.zeros(1, 2, 8, 64, **bf) for _ in range(5))
+    lse = torch.zeros(1, 2, 8)
+    inputs = {"list q": (do, [[0.0]], k, v, o, lse),
+              "float32": (do.float(), q.float(), k.float(), v.float(), o.float(), lse),
+              "d = 96": tuple(torch.zeros(1, 2, 8, 96, **bf) for _ in range(5)) + (lse,),
+              "3 KV heads for 2": (do, q, torch.zeros(1, 3, 8, 64, **bf), torch.zeros(1, 3, 8, 64, **bf), o, lse),
+              "v shape": (do, q, k, torch.zeros(1, 2, 9, 64, **bf), o, lse),
+              "o shape": (do, q, k, v, o[:, :, :7], lse), "do dtype": (do.half(), q, k, v, o, lse),
+              "lse float64": (do, q, k, v, o, lse.double()), "lse shape": (do, q, k, v, o, lse[:, :1]),
+              "cpu": (do, q, k, v, o, lse)}[case]
+    with pytest.raises(err, match=re.escape(words)) as e:
+        G.gluon_backward(*inputs, **kwargs)
+    assert str(e.value).startswith("gluon_backward"), str(e.value)
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"dkdv": {"BLOCK_N": 96}}, "config['dkdv']['BLOCK_N'] must be a power of two in [16, 256], got 96"),
+    ({"dq": {"BLOCK_M": 64, "num_warps": 8}}, "num_warps must be 4 or 8 and divide BLOCK_M = 64"),
+    ({"dkdv": {"BLOCK_M": 128, "NUM_STAGES": 4}}, "KiB of shared memory at d = 128"),
+    ({"dkdv": {"block_m": 64}}, "takes BLOCK_M, BLOCK_N, NUM_STAGES, num_warps"),
+    ({"fwd": {}}, "config keys are 'dkdv' and 'dq'"),
+])
+def test_tile_overrides_are_checked_on_the_host(config, words):
+    G = _module()
+    with pytest.raises(ValueError, match=re.escape(words)):
+        G._tiles(128, config)
+
+
+def test_default_tiles_fit_sm90_and_an_override_replaces_only_what_it_names():
+    G = _module()
+    for d in G.BLOCKS:
+        tiles = G._tiles(d)
+        for kind, (bm, bn, st, warps) in tiles.items():
+            assert G._smem_bytes(kind, d, bm, bn, st) <= G.SMEM_LIMIT
+            assert warps == (bn if kind == "dkdv" else bm) // 16      # one warp per 16 accumulator rows
+    t = G._tiles(128, {"dkdv": {"NUM_STAGES": 3}})
+    assert t["dkdv"] == (64, 128, 3, 8) and t["dq"] == G._tiles(128)["dq"]
+    # 128 KiB at d = 128 for both kernels: the arithmetic the BLOCKS comment states
+    assert [G._smem_bytes(kind, 128, *G.BLOCKS[128][kind]) // 1024 for kind in ("dkdv", "dq")] == [128, 128]
