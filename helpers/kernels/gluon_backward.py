@@ -496,7 +496,6 @@ def _sdpa_grads(q, k, v, do, causal, align):
     """SDPA's gradients in the inputs' dtype (default dispatch; k, v repeated in the graph, so their gradients sum
     over the group). A row that sees no key has no SDPA convention, so it is given every key and a zero dO: its
     gradients are then 0, as the reference's."""
-    import torch
     import torch.nn.functional as F
     from .. import reference
     B, H, N, d = q.shape
