@@ -3,7 +3,7 @@ and SDPA's backends.
 
     python3 bench/bench_gluon.py [--variant one ws overlap pp] [--N 4096 16384] [--causal] [--group 1 4]
                                  [--dtype bfloat16 float16] [--d 64 128] [--out PATH]
-    python3 bench/bench_gluon.py --bwd [--bwd-config JSON] [the same row options]
+    python3 bench/bench_gluon.py --bwd [--bwd-dq-mode separate atomic] [--bwd-config JSON] [the same row options]
 
 bf16 and fp16, d = 64 and 128, B * N = 32768 tokens (H = 32 for d = 64, 16 for d = 128). Non-causal rows; with
 ``--causal`` each is followed by its causal twin (top-left, N = Nk: both alignments agree), against the Triton
@@ -19,16 +19,17 @@ every row and prints a short table last.
 
 ``--bwd``: the same rows for the backward instead. O and lse come from the course's Triton forward
 (``flash_attn_triton``); then, per row, ``gluon_backward`` (helpers/kernels/gluon_backward.py: preprocess, dK/dV, dQ;
-``--bwd-config`` passes its tile overrides, a JSON dict, for a sweep) is checked first: dq of every query head of
+``--bwd-config`` passes its tile overrides, a JSON dict, for a sweep; ``--bwd-dq-mode``: its dq modes, by default
+both, rows keyed ``gluon`` (separate) and ``gluon_atomic``) is checked first: dq of every query head of
 two KV groups (batch 0's first, the last batch's last) and their dk, dv against float64 (computed exactly, in row
 chunks), each within twice the error of SDPA's own backward in the same dtype (k, v repeated in the graph so that
 their gradients sum over the group), and everything finite; it is timed only when correct. Timed against the
 course's Triton backward (``flash_attn_bwd_triton``, autotuned, on the same O and lse) and SDPA's flash and cuDNN
 backward (``sdpa_kernel`` forces the backend for the forward, whose saved state fixes the backward; the time is
 ``o.backward(do)`` alone). TFLOP/s count 2.5 x the forward's FLOPs (two GEMMs forward, five backward, the
-convention of FlashAttention's benchmarks), halved when causal. Rows are keyed ``gluon``, ``triton``,
-``sdpa_flash``, ``sdpa_cudnn``; the results go to bench/results/gluon_bwd_<gpu>.json (or ``--out``). The run
-``--bwd --N 16384 --dtype bfloat16 --causal --group 1 4`` has the causal forward run's eight rows.
+convention of FlashAttention's benchmarks), halved when causal. Rows are keyed ``gluon``, ``gluon_atomic``,
+``triton``, ``sdpa_flash``, ``sdpa_cudnn``; the results go to bench/results/gluon_bwd_<gpu>.json (or ``--out``). The
+run ``--bwd --N 16384 --dtype bfloat16 --causal --group 1 4`` has the causal forward run's eight rows.
 """
 import argparse
 import json
@@ -146,23 +147,29 @@ def sdpa_bwd_ms(backend, q, k, v, do, causal):
                    timer=lambda _: bench_ms(lambda: state["o"].backward(do, retain_graph=True), grad_to_none=a))
 
 
-def bench_bwd_row(q, k, v, do, causal, gluon_backward, config=None):
-    """One backward row: gluon_backward checked, then timed; the Triton backward and SDPA flash / cuDNN timed."""
+def bench_bwd_row(q, k, v, do, causal, gluon_backward, config=None, dq_modes=("separate", "atomic")):
+    """One backward row: gluon_backward in each dq mode checked, then timed (keys ``gluon``, ``gluon_atomic``); the
+    Triton backward and SDPA flash / cuDNN timed."""
     from helpers.kernels.backward import flash_attn_bwd_triton
     B, H, N, d = q.shape
     Hkv = k.shape[1]
     flops = BWD_FLOPS * 4 * B * H * N * k.shape[2] * d // (2 if causal else 1)
     row = {"dtype": str(q.dtype).replace("torch.", ""), "d": d, "N": N, "B": B, "H": H, "Hkv": Hkv, "causal": causal}
     o, lse = flash_attn_triton(q, k, v, causal=causal)          # the saved state both course backwards take
-    try:
-        chk = check_backward(q, k, v, do, causal, gluon_backward(do, q, k, v, o, lse, causal=causal, config=config))
-        row.update(gluon_pass=chk["pass"], gluon_err_ratio=chk["err_ratio"], gluon_grad_err=chk["grad_err"])
-        if chk["pass"]:
-            ms = bench_ms(lambda: gluon_backward(do, q, k, v, o, lse, causal=causal, config=config))
-            row["gluon_tflops"] = round(flops / ms / 1e9, 1)
-    except Exception as e:  # noqa: BLE001 - recorded in the row
-        row["gluon_error"] = why(e, 200)
-        torch.cuda.synchronize()
+    for mode in dq_modes:
+        name = "gluon" if mode == "separate" else f"gluon_{mode}"
+
+        def run(mode=mode):
+            return gluon_backward(do, q, k, v, o, lse, causal=causal, dq_mode=mode, config=config)
+        try:
+            chk = check_backward(q, k, v, do, causal, run())
+            row.update({f"{name}_pass": chk["pass"], f"{name}_err_ratio": chk["err_ratio"],
+                        f"{name}_grad_err": chk["grad_err"]})
+            if chk["pass"]:
+                row[f"{name}_tflops"] = round(flops / bench_ms(run) / 1e9, 1)
+        except Exception as e:  # noqa: BLE001 - recorded in the row
+            row[f"{name}_error"] = why(e, 200)
+            torch.cuda.synchronize()
     try:
         flash_attn_bwd_triton(do, q, k, v, o, lse, causal=causal)   # the autotuner's first call, untimed
         ms = bench_ms(lambda: flash_attn_bwd_triton(do, q, k, v, o, lse, causal=causal))
@@ -189,6 +196,8 @@ def main(argv=None):
     ap.add_argument("--bwd", action="store_true", help="the backward (gluon_backward) instead of the forward")
     ap.add_argument("--bwd-config", type=json.loads, default=None,
                     help='gluon_backward\'s tile overrides, e.g. \'{"dkdv": {"BLOCK_M": 64, "NUM_STAGES": 3}}\'')
+    ap.add_argument("--bwd-dq-mode", nargs="+", default=["separate", "atomic"], choices=["separate", "atomic"],
+                    help="gluon_backward's dq modes to check and time (rows keyed gluon, gluon_atomic)")
     args = ap.parse_args(argv)
     if args.bwd_config is not None and not args.bwd:
         sys.exit("--bwd-config needs --bwd")
@@ -247,7 +256,8 @@ def main_bwd(args):
     meta = run_meta(gpu, timing=TIMING, causal="per row" if args.causal else False, direction="backward",
                     flops=f"{BWD_FLOPS} x the forward's 4 B H N Nk d, halved when causal",
                     inputs="O, lse from flash_attn_triton; dO standard normal",
-                    gluon_tiles={d: gb._tiles(d, args.bwd_config) for d in args.d}, bwd_config=args.bwd_config)
+                    gluon_tiles={m: {d: gb._tiles(d, args.bwd_config, m) for d in args.d} for m in args.bwd_dq_mode},
+                    bwd_config=args.bwd_config, dq_modes={m: gb.DQ_MODES[m] for m in args.bwd_dq_mode})
     result = {"meta": meta, "rows": []}
     for dtype in (getattr(torch, name) for name in args.dtype):
         for d in args.d:
@@ -256,23 +266,26 @@ def main_bwd(args):
                     torch.manual_seed(N + d + group)
                     q, k, v, do = row_inputs(dtype, d, N, group, make_do=True)
                     for causal in ((False, True) if args.causal else (False,)):
-                        row = bench_bwd_row(q, k, v, do, causal, gb.gluon_backward, args.bwd_config)
+                        row = bench_bwd_row(q, k, v, do, causal, gb.gluon_backward, args.bwd_config,
+                                            args.bwd_dq_mode)
                         result["rows"].append(row)
                         log(row)
                         write_json(path, result)
                     del q, k, v, do
-    cols = ["gluon", "triton", "sdpa_flash", "sdpa_cudnn"]
+    names = ["gluon" if m == "separate" else f"gluon_{m}" for m in args.bwd_dq_mode]
+    cols = names + ["triton", "sdpa_flash", "sdpa_cudnn"]
     log(f"\n{gpu}, torch {torch.__version__}, triton {meta['triton']}, backward TFLOP/s (median; {BWD_FLOPS} x the "
         "forward's FLOPs, causal counts half)")
-    log(f"{'dtype':9s} {'d':>4s} {'N':>6s} {'H:Hkv':>6s} {'causal':>6s} " + " ".join(f"{c:>10s}" for c in cols) +
-        f" {'gluon/cudnn':>11s}  correct (err / SDPA's)")
+    log(f"{'dtype':9s} {'d':>4s} {'N':>6s} {'H:Hkv':>6s} {'causal':>6s} " + " ".join(f"{c:>12s}" for c in cols) +
+        f" {'best/cudnn':>10s}  correct (err / SDPA's)")
     for r in result["rows"]:
-        vals = " ".join(f"{r.get(c + '_tflops') or 0:10.1f}" for c in cols)
-        g, c = r.get("gluon_tflops"), r.get("sdpa_cudnn_tflops")
-        ratio = f"{g / c:10.2f}x" if g and c else f"{'-':>11s}"
+        vals = " ".join(f"{r.get(c + '_tflops') or 0:12.1f}" for c in cols)
+        g, c = max((r.get(n + "_tflops") or 0 for n in names), default=0), r.get("sdpa_cudnn_tflops")
+        ratio = f"{g / c:9.2f}x" if g and c else f"{'-':>10s}"
         log(f"{r['dtype']:9s} {r['d']:4d} {r['N']:6d} {r['H'] // r['Hkv']:>4d}:1 {str(r['causal']):>6s} {vals} "
-            f"{ratio}  {r.get('gluon_pass', r.get('gluon_error'))} ({r.get('gluon_err_ratio')})")
-    return 0 if all(r.get("gluon_pass") for r in result["rows"]) else 1
+            f"{ratio}  " + ", ".join(f"{n}={r.get(n + '_pass', r.get(n + '_error'))} ({r.get(n + '_err_ratio')})"
+                                     for n in names))
+    return 0 if all(r.get(f"{n}_pass") for r in result["rows"] for n in names) else 1
 
 
 if __name__ == "__main__":

@@ -17,10 +17,13 @@ import json
 from helpers.kernels.gluon_backward import compile_backward_for_sm90
 feats = ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx",
          "wgmma.wait_group.sync.aligned 1", "%nctaid.y", "atom.")
+reduce = "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add"
 out = {}
-for d, dt, causal in ((64, "bf16", False), (128, "fp16", False), (64, "fp16", True), (128, "bf16", True)):
-    for kind, ptx in compile_backward_for_sm90(d=d, dtype=dt, causal=causal).items():
-        out[f"{d} {dt}{' causal' if causal else ''} {kind}"] = [f for f in feats if f in ptx]
+for d, dt, causal, mode in ((64, "bf16", False, "separate"), (128, "fp16", False, "separate"),
+                            (64, "fp16", True, "separate"), (128, "bf16", True, "separate"),
+                            (128, "bf16", True, "atomic"), (64, "fp16", False, "atomic")):
+    for kind, ptx in compile_backward_for_sm90(d=d, dtype=dt, causal=causal, dq_mode=mode).items():
+        out[f"{d} {dt}{' causal' if causal else ''} {mode} {kind}"] = [f for f in feats + (reduce,) if f in ptx]
 print(json.dumps(out))
 """
 
@@ -31,7 +34,9 @@ def test_gluon_backward_compiles_for_sm90():
     kernel), the dK/dV kernel and the dQ kernel for d = 64 and 128, bf16 and fp16, causal and not. Both Gluon
     kernels load by TMA through mbarriers, run wgmma asynchronously with a wait that leaves one group in flight (S
     or S^T done while dP or dP^T still runs), take one ex2 per score and use no atomics (dQ is its own kernel:
-    deterministic). Causal dQ counts its query block from the grid's end (heaviest first)."""
+    deterministic). Causal dQ counts its query block from the grid's end (heaviest first). With dq_mode="atomic"
+    there is no dQ kernel: the dK/dV kernel adds its fp32 dQ tiles by the TMA's reduce, still no per-element
+    atomics."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
@@ -41,9 +46,12 @@ def test_gluon_backward_compiles_for_sm90():
              "wgmma.wait_group.sync.aligned 1"]
     want = {}
     for cfg in ("64 bf16", "128 fp16", "64 fp16 causal", "128 bf16 causal"):
-        want[f"{cfg} preprocess"] = []
-        want[f"{cfg} dkdv"] = gluon
-        want[f"{cfg} dq"] = gluon + (["%nctaid.y"] if "causal" in cfg else [])
+        want[f"{cfg} separate preprocess"] = []
+        want[f"{cfg} separate dkdv"] = gluon
+        want[f"{cfg} separate dq"] = gluon + (["%nctaid.y"] if "causal" in cfg else [])
+    for cfg in ("128 bf16 causal", "64 fp16"):
+        want[f"{cfg} atomic preprocess"] = []
+        want[f"{cfg} atomic dkdv"] = gluon + ["cp.reduce.async.bulk.tensor.2d.global.shared::cta.add"]
     assert found == want, found
 
 
@@ -96,11 +104,16 @@ def test_gluon_backward_says_what_is_wrong_before_any_gpu_work(case, kwargs, err
     ({"dkdv": {"BLOCK_M": 128, "NUM_STAGES": 4}}, "KiB of shared memory at d = 128"),
     ({"dkdv": {"block_m": 64}}, "takes BLOCK_M, BLOCK_N, NUM_STAGES, num_warps"),
     ({"fwd": {}}, "config keys are 'dkdv' and 'dq'"),
+    ({"dkdv": {"NUM_STAGES": 4}, "dq_mode": "atomic"}, "KiB of shared memory at d = 128 with atomic dQ"),
+    ({"dkdv": {"BLOCK_M": 32}, "dq_mode": "atomic"}, "dq_mode='atomic' needs config['dkdv']['BLOCK_M'] >= 64"),
+    ({"dq_mode": "atomics"}, "dq_mode must be one of 'separate', 'atomic' or None"),
 ])
 def test_tile_overrides_are_checked_on_the_host(config, words):
     G = _module()
+    config = dict(config)
+    mode = config.pop("dq_mode", None)
     with pytest.raises(ValueError, match=re.escape(words)):
-        G._tiles(128, config)
+        G._tiles(128, config, mode)
 
 
 def test_default_tiles_fit_sm90_and_an_override_replaces_only_what_it_names():
@@ -112,5 +125,8 @@ def test_default_tiles_fit_sm90_and_an_override_replaces_only_what_it_names():
             assert warps == (bn if kind == "dkdv" else bm) // 16      # one warp per 16 accumulator rows
     t = G._tiles(128, {"dkdv": {"NUM_STAGES": 3}})
     assert t["dkdv"] == (64, 128, 3, 8) and t["dq"] == G._tiles(128)["dq"]
+    for d in G.BLOCKS:                                    # atomic dQ's dS^T and two fp32 dQ tiles fit too
+        bm, bn, st, _ = G._tiles(d, dq_mode="atomic")["dkdv"]
+        assert G._smem_bytes("dkdv", d, bm, bn, st, atomic=True) <= G.SMEM_LIMIT
     # 128 KiB at d = 128 for both kernels: the arithmetic the BLOCKS comment states
     assert [G._smem_bytes(kind, 128, *G.BLOCKS[128][kind]) // 1024 for kind in ("dkdv", "dq")] == [128, 128]

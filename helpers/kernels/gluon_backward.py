@@ -9,7 +9,7 @@ key), bf16 or fp16, d = 64 or 128, ragged N and Nk, causal in both alignments (r
 diag = 0 "top_left", Nk - N "bottom_right"). dq, dk, dv come back in the inputs' dtype; a row that sees no key
 gets dq = 0 exactly and adds nothing to dk, dv.
 
-Three launches:
+Three launches (``dq_mode="atomic"``: two and a cast):
 
 1. Preprocess, the course's Triton kernel ``backward._bwd_preprocess`` (plain ``tl``, compiles for sm_90 like any
    Triton kernel): D = rowsum(dO * O) fp32 ``[B*H*N]`` and lse2 = lse * log2(e), +inf where lse = -inf so that
@@ -25,7 +25,7 @@ Three launches:
 
        S^T  = K Q_i^T                  [BLOCK_N, BLOCK_M]  wgmma, A = K (smem), B = Q_i^T (smem, a permuted view)
        dP^T = V dO_i^T                 [BLOCK_N, BLOCK_M]  wgmma, A = V (smem), B = dO_i^T
-       P^T  = exp2(S^T * qk_scale - lse2_i)                registers (ex2), masked on the causal band only
+       P^T  = exp2(S^T * qk_scale - lse2_i)                registers (ex2), masked on the causal band
        dV  += P^T dO_i                 [BLOCK_N, d]        wgmma, A = P^T from registers (DotOperandLayout)
        dS^T = P^T * (dP^T - D_i)                           registers
        dK  += dS^T Q_i                 [BLOCK_N, d]        wgmma, A = dS^T from registers
@@ -45,18 +45,28 @@ Three launches:
        S = Q_i K_j^T, dP = dO_i V_j^T  (both issued async, wait for S alone, then for dP);  P = exp2(S*qk_scale - lse2)
        dS = P * (dP - D);  dQ += dS K_j  (wgmma, A = dS from registers);  at the end dQ *= sm_scale
 
-   Deterministic: every dq element is written once, by one program. (``dq_mode="atomic"``, FA3's way, is not built.)
+   Deterministic: every dq element is written once, by one program (``dq_mode="separate"``, the default).
+4. Or ``dq_mode="atomic"`` (FA3's way, no dQ kernel): the dK/dV kernel also stores dS^T (bf16/fp16) in shared memory
+   and computes dQ_i = dS K_j [BLOCK_M, d] with one more wgmma (A = dS, the transposed view of that buffer: an
+   M-major A operand), scales it by sm_scale and adds the fp32 tile into a zeroed ``[B*H*N, d]`` buffer with the TMA's
+   reduce-add (``cp.reduce.async.bulk.tensor ... .add``, two shared-memory tiles so one add runs while the next tile
+   is computed); a cast to the dtype follows. 5 GEMMs per tile pair instead of 7 (the dQ kernel recomputes S and
+   dP), at the price of run-to-run differences in the last bits of dq (the adds' order varies). Here keys past Nk
+   must not reach dQ: on the ragged last key block every tile is masked. Triton 3.6's Gluon has no name for the
+   TMA's reduce (3.7 on: ``tma.async_atomic_add``), so this module wraps the builder's ``create_async_tma_reduce``.
 
 Grids read the heaviest programs first when causal: dK/dV launches (B·Hkv, key blocks) so every head's first key
 block (seen by the most rows) goes in the first wave; dQ launches (B·H, query blocks) read backwards, as the forward.
 Tiles (``BLOCKS``, ``config=`` overrides them for a sweep) and their shared memory are listed at ``BLOCKS``.
 
 Measured: nothing yet. Every kernel compiles for sm_90 (Triton 3.6 and 3.9; ``compile_backward_for_sm90``) and has
-not yet run natively: no claim about its correctness or speed on a GPU is made here. On an sm_90 GPU:
-``python -m helpers.kernels.gluon_backward`` (``gluon_backward_selftest()``: harsh cases against float64 autograd,
-one line each, exit code 0/1) and ``bench/bench_gluon.py --bwd`` for the timings. ``gluon_backward`` checks its
-inputs on the host first (TypeError/ValueError; a CPU tensor: "needs an sm_90 GPU"). Nothing here runs under
-Triton's interpreter.
+not yet run natively: no claim about its correctness or speed on a GPU is made here. ptxas (Triton 3.6's, sm_90a)
+reports for the dK/dV kernel at d = 128 the full 255 registers a thread, with no spills non-causal and ~24 bytes
+causal; with atomic dQ ~0.45 KiB of spill stores a thread; at d = 64 about 200 registers, no spills; the dQ kernel
+120-180 registers, no spills. On an sm_90 GPU: ``python -m helpers.kernels.gluon_backward`` runs
+``gluon_backward_selftest()`` (harsh cases against float64 autograd, both dQ modes, one line each, exit code 0/1);
+``bench/bench_gluon.py --bwd`` times it. ``gluon_backward`` checks its inputs on the host first (TypeError/ValueError;
+a CPU tensor: "needs an sm_90 GPU"). Nothing here runs under Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -65,14 +75,28 @@ import math
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
 from .common import LOG2E
 from .gluon_forward import (SELFTEST_CASES, _check_align, _check_inputs, _diag, _gl_dtype, _n_free, _n_tiles,
                             _program_ids, _tma_load)
 
-__all__ = ["gluon_backward", "gluon_backward_selftest", "compile_backward_for_sm90", "BLOCKS"]
+__all__ = ["gluon_backward", "gluon_backward_selftest", "compile_backward_for_sm90", "BLOCKS", "DQ_MODES"]
+
+if hasattr(tma, "async_atomic_add"):                             # Triton 3.7 on: the TMA's reduce-add into global
+    _tma_add = tma.async_atomic_add
+else:                                                            # Triton 3.6: its builder has the op, Gluon no name
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def _tma_add(tensor_desc, coord, src, _semantic=None):
+        """Add the fp32 tile in shared memory src into the global tensor at coord, by the TMA (cp.reduce.async.bulk
+        .tensor ... .add), asynchronously: tma.store_wait(n) waits until at most n such operations still read."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
 
 # Tiles per head dim: {"dkdv": (BLOCK_M queries, BLOCK_N keys, NUM_STAGES), "dq": (BLOCK_M, BLOCK_N, NUM_STAGES)};
 # num_warps = (dK/dV) BLOCK_N // 16, (dQ) BLOCK_M // 16: one warp per 16 rows of the wgmma accumulator.
@@ -90,13 +114,17 @@ SMEM_LIMIT = 227 * 1024      # bytes of shared memory one CTA may use on sm_90
 # ------------------------------------------------------------------ dK, dV: KV outer, query tiles streamed
 @gluon.jit
 def _dkdv_tiles(t_lo, t_hi, t_head, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem, q_smem, do_smem, full,
-                q_desc, do_desc, LSE2, DELTA, dk, dv, sT_zero, offs_key, offs_col, N, diag, qk_scale,
-                op_layout: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr):
+                q_desc, do_desc, LSE2, DELTA, dk, dv, sT_zero, offs_key, offs_col, N, Nk, diag, qk_scale, sm_scale,
+                ds_smem, dq_smem, dq_desc, dq_zero, op_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                NUM_STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     """Tiles [t_lo, t_hi) of the program's flat tile sequence, all of one query head whose first tile is t_head
     (tile t is that head's query block i_lo + t - t_head). dk, dv [BLOCK_N, HEAD_DIM] fp32; l_row: the head's row 0
     in LSE2 and DELTA ([B*H*N]); offs_key [BLOCK_N] the program's key indices, offs_col [BLOCK_M] 0..BLOCK_M-1.
-    MASK: the causal band (key c of row r counts when c <= r + diag). After a tile's last GEMM its stage is refilled
-    with tile t + NUM_STAGES, which may belong to the next head (q_row0: the group's first row in q's [B*H*N, d])."""
+    MASK: key c of row r counts when c < Nk and (causal) c <= r + diag, the others get P = 0. After a tile's last
+    GEMM its stage is refilled with tile t + NUM_STAGES, which may belong to the next head (q_row0: the group's first
+    row in q's [B*H*N, d]). DQ_ATOMIC: dS^T also goes to shared memory (ds_smem [BLOCK_N, BLOCK_M]), dQ_i = dS K
+    [BLOCK_M, HEAD_DIM] is one more wgmma (A = dS, the transposed view of ds_smem), and its fp32 tile is added into
+    dq_desc's [B*H*N, HEAD_DIM] by a TMA reduce from dq_smem (two buffers, so tile t's add may run during tile t+1)."""
     dtype: gl.constexpr = q_smem.dtype
     for t in range(t_lo, t_hi):
         s = t % NUM_STAGES                                       # stage of tile t
@@ -112,14 +140,30 @@ def _dkdv_tiles(t_lo, t_hi, t_head, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v
         sT = warpgroup_mma_wait(1, deps=(sT,))                   # S^T done; dP^T may still run
         pT = gl.exp2(sT * qk_scale - lse2[None, :])              # [BLOCK_N, BLOCK_M] P^T
         if MASK:
-            pT = gl.where(offs_key[:, None] <= rows[None, :] + diag, pT, 0.0)
+            keep = (offs_key < Nk)[:, None]                      # keys past Nk: the next head's, or TMA's zeros
+            if CAUSAL:
+                keep = keep & (offs_key[:, None] <= rows[None, :] + diag)    # [BLOCK_N, BLOCK_M]
+            pT = gl.where(keep, pT, 0.0)
         pT_op = gl.convert_layout(pT.to(dtype), op_layout)       # P^T as wgmma's A operand
         dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)    # dV += P^T dO     [BLOCK_N, HEAD_DIM]
         dpT = warpgroup_mma_wait(1, deps=(dpT,))                 # dP^T done; dV may still run
         dsT = pT * (dpT - delta[None, :])                        # [BLOCK_N, BLOCK_M] dS^T
-        dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
+        dsT_lo = dsT.to(dtype)
+        if DQ_ATOMIC:
+            ds_smem.store(dsT_lo)                                # dS^T for the dQ GEMM's A operand
+            fence_async_shared()                                 # the stores before wgmma reads them
+        dsT_op = gl.convert_layout(dsT_lo, op_layout)
         dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)    # dK += dS^T Q     [BLOCK_N, HEAD_DIM]
-        dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=(dv, dk, pT_op, dsT_op))   # stage s is read no more
+        if DQ_ATOMIC:
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)  # dS K
+            dv, dk, pT_op, dsT_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, pT_op, dsT_op, dq))
+            buf = dq_smem.index(t % 2)
+            tma.store_wait(1)                                    # the add of tile t - 2 has read this buffer
+            buf.store(dq * sm_scale)                             # [BLOCK_M, HEAD_DIM] fp32
+            fence_async_shared()
+            _tma_add(dq_desc, [l_row + (i_lo + t - t_head) * BLOCK_M, 0], buf)    # rows past N add 0.0
+        else:
+            dv, dk, pT_op, dsT_op = warpgroup_mma_wait(0, deps=(dv, dk, pT_op, dsT_op))   # stage s is read no more
         nxt = t + NUM_STAGES                                     # refill stage s with the tile one lap ahead
         if nxt < n_tiles:
             g2 = nxt // n_q                                      # its query head within the group
@@ -131,9 +175,9 @@ def _dkdv_tiles(t_lo, t_hi, t_head, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v
 
 
 @gluon.jit
-def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DK, DV, N, Nk, group, diag, qk_scale, sm_scale,
+def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE2, DELTA, DK, DV, N, Nk, group, diag, qk_scale, sm_scale,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     if CAUSAL:                                                   # grid (B*Hkv, key blocks): block 0 of every head first
         off_bkv = gl.program_id(0)
@@ -154,6 +198,8 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DK, DV, N, Nk, group
     else:
         i_lo = 0
         i_mid = 0
+    if DQ_ATOMIC:                                                # the ragged last key block: every tile masked, so
+        i_mid = gl.where(start_n + BLOCK_N > Nk, n_qb, i_mid)    # that no key past Nk reaches dQ
     n_q = n_qb - i_lo                                            # tiles per query head
     n_tiles = group * n_q                                        # the flat sequence: head g's tiles follow g - 1's
 
@@ -169,6 +215,18 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DK, DV, N, Nk, group
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    if DQ_ATOMIC:                                                # dS^T as an operand; two fp32 dQ tiles for the adds
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        wm: gl.constexpr = min(num_warps, BLOCK_M // 16)         # dQ [BLOCK_M, HEAD_DIM]: warps along M, then N
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, num_warps // wm],
+                                                            instr_shape=[16, HEAD_DIM // (num_warps // wm), 16])
+        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    else:
+        ds_smem = None
+        dq_smem = None
+        dq_zero = None
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -196,14 +254,18 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DK, DV, N, Nk, group
     for g in range(group):                                       # the group's query heads, one after the other
         t0 = g * n_q                                             # head g's first tile
         l_row = q_row0 + g * N                                   # its row 0 in LSE2, DELTA
-        if CAUSAL:                                               # the band, masked; then the blocks seen whole
+        if CAUSAL or DQ_ATOMIC:                                  # the band, masked; then the blocks seen whole
             dk, dv = _dkdv_tiles(t0, t0 + i_mid - i_lo, t0, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem,
                                  q_smem, do_smem, full, q_desc, do_desc, LSE2, DELTA, dk, dv, sT_zero, offs_key,
-                                 offs_col, N, diag, qk_scale, op_layout, BLOCK_M, NUM_STAGES, True)
+                                 offs_col, N, Nk, diag, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, dq_zero,
+                                 op_layout, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_ATOMIC)
         dk, dv = _dkdv_tiles(t0 + i_mid - i_lo, t0 + n_q, t0, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem,
                              q_smem, do_smem, full, q_desc, do_desc, LSE2, DELTA, dk, dv, sT_zero, offs_key,
-                             offs_col, N, diag, qk_scale, op_layout, BLOCK_M, NUM_STAGES, False)
+                             offs_col, N, Nk, diag, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, dq_zero,
+                             op_layout, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_ATOMIC)
 
+    if DQ_ATOMIC:
+        tma.store_wait(0)                                        # the last adds have read dq_smem
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(full.index(i))
@@ -316,12 +378,29 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, N, Nk, group, diag
 
 # ------------------------------------------------------------------ host side
 _KINDS = ("dkdv", "dq")
+# dq_mode -> what it is
+DQ_MODES = {
+    "separate": "dQ in its own kernel, Q outer (recomputes S and dP: 7 GEMMs in all); deterministic",
+    "atomic": "dQ in the dK/dV kernel (5 GEMMs in all), fp32 tiles added into a buffer by the TMA's reduce-add, "
+              "then cast; the order of the adds varies from run to run",
+}
+DEFAULT_DQ_MODE = "separate"
 
 
-def _tiles(d, config=None):
+def _dq_mode(dq_mode):
+    mode = DEFAULT_DQ_MODE if dq_mode is None else dq_mode
+    if mode not in DQ_MODES:
+        raise ValueError(f"gluon_backward: dq_mode must be one of {', '.join(map(repr, DQ_MODES))} or None, got "
+                         f"{dq_mode!r}")
+    return mode
+
+
+def _tiles(d, config=None, dq_mode=None):
     """{"dkdv": (BLOCK_M, BLOCK_N, NUM_STAGES, num_warps), "dq": (...)} for head dim d: ``BLOCKS[d]`` with
     ``config``'s overrides ({"dkdv": {"BLOCK_M": .., "BLOCK_N": .., "NUM_STAGES": .., "num_warps": ..}, "dq": {..}},
-    any subset). Raises ValueError for a tile the kernels cannot take or that needs more than SMEM_LIMIT."""
+    any subset). Raises ValueError for a tile the kernels cannot take or that needs more than SMEM_LIMIT (the dK/dV
+    kernel's with ``dq_mode="atomic"``'s dS^T and two dQ tiles)."""
+    atomic = _dq_mode(dq_mode) == "atomic"
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"gluon_backward: config must be a dict {{'dkdv': {{...}}, 'dq': {{...}}}} or None, got "
                         f"{type(config).__name__}")
@@ -350,19 +429,24 @@ def _tiles(d, config=None):
                              f"got {warps}")
         if not isinstance(st, int) or not 1 <= st <= 8:
             raise ValueError(f"gluon_backward: config[{kind!r}]['NUM_STAGES'] must be 1..8, got {st!r}")
-        smem = _smem_bytes(kind, d, bm, bn, st)
+        if atomic and kind == "dkdv" and bm < 64:
+            raise ValueError(f"gluon_backward: dq_mode='atomic' needs config['dkdv']['BLOCK_M'] >= 64 (dQ's wgmma "
+                             f"rows), got {bm}")
+        smem = _smem_bytes(kind, d, bm, bn, st, atomic)
         if smem > SMEM_LIMIT:
             raise ValueError(f"gluon_backward: config[{kind!r}] = {bm}x{bn}, {st} stages needs {smem // 1024} KiB of "
-                             f"shared memory at d = {d}; sm_90 gives a CTA {SMEM_LIMIT // 1024} KiB")
+                             f"shared memory at d = {d}{' with atomic dQ' if atomic and kind == 'dkdv' else ''}; "
+                             f"sm_90 gives a CTA {SMEM_LIMIT // 1024} KiB")
         out[kind] = (bm, bn, st, warps)
     return out
 
 
-def _smem_bytes(kind, d, bm, bn, st):
-    """Shared memory of one CTA at 2 bytes an element: dK/dV holds K, V and st stages of (Q, dO); dQ holds Q, dO and
-    st stages of (K, V); plus the barriers."""
+def _smem_bytes(kind, d, bm, bn, st, atomic=False):
+    """Shared memory of one CTA at 2 bytes an element: dK/dV holds K, V and st stages of (Q, dO) (atomic dQ: also
+    dS^T [bn, bm] and two fp32 dQ tiles [bm, d]); dQ holds Q, dO and st stages of (K, V); plus the barriers."""
     once, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
-    return 2 * d * 2 * (once + st * streamed) + 8 * (st + 1)
+    extra = 2 * bn * bm + 2 * 4 * bm * d if atomic and kind == "dkdv" else 0
+    return 2 * d * 2 * (once + st * streamed) + extra + 8 * (st + 1)
 
 
 def _check_backward_inputs(do, q, k, v, o, lse, causal, sm_scale, align):
@@ -394,22 +478,25 @@ def _check_backward_inputs(do, q, k, v, o, lse, causal, sm_scale, align):
         raise type(e)(str(e).replace("gluon_forward", "gluon_backward")) from None
 
 
-def gluon_backward(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left", config=None):
+def gluon_backward(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left", dq_mode=None, config=None):
     """Gradients ``(dq, dk, dv)`` of O = attention(q, k, v) for the upstream gradient ``do``, on an sm_90 GPU.
 
     q, o, do ``[B, H, N, d]``; k, v ``[B, Hkv, Nk, d]`` (H a multiple of Hkv: query head h reads KV head
     h // (H // Hkv); dk, dv sum over each KV head's group inside the kernel); lse ``[B, H, N]`` float32 natural log
     (``gluon_forward``'s or ``flash_attn_triton``'s second output; -inf for a row that saw no key: its gradients are
-    0). bf16 or fp16, d = 64 or 128. ``causal``, ``align``, ``sm_scale`` as in the forward. ``config``: tile
-    overrides for a sweep, {"dkdv": {"BLOCK_M", "BLOCK_N", "NUM_STAGES", "num_warps"}, "dq": {...}} (any subset;
-    ``BLOCKS`` otherwise). Raises TypeError or ValueError, before any GPU work, for inputs it cannot take."""
+    0). bf16 or fp16, d = 64 or 128. ``causal``, ``align``, ``sm_scale`` as in the forward. ``dq_mode``
+    (``DQ_MODES``): "separate" (a dQ kernel; deterministic) or "atomic" (from the dK/dV kernel by the TMA's fp32
+    reduce-add); None = ``DEFAULT_DQ_MODE``. ``config``: tile overrides for a sweep, {"dkdv": {"BLOCK_M", "BLOCK_N",
+    "NUM_STAGES", "num_warps"}, "dq": {...}} (any subset; ``BLOCKS`` otherwise). Raises TypeError or ValueError,
+    before any GPU work, for inputs it cannot take."""
     import torch
+    atomic = _dq_mode(dq_mode) == "atomic"
     _check_backward_inputs(do, q, k, v, o, lse, causal, sm_scale, align)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .backward import _PRE_BLOCK_M, _bwd_preprocess
     B, H, N, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    tiles = _tiles(d, config)
+    tiles = _tiles(d, config, dq_mode)
     diag = _diag(causal, align, N, Nk)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     qk_scale = sm_scale * LOG2E.value
@@ -424,16 +511,20 @@ def gluon_backward(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_
     q2, do2 = q.view(B * H * N, d), do.view(B * H * N, d)                  # [B*H*N, d]
     k2, v2 = k.view(B * Hkv * Nk, d), v.view(B * Hkv * Nk, d)              # [B*Hkv*Nk, d]
 
-    def desc(x, rows):
-        return TensorDescriptor.from_tensor(x, [rows, d], gl.NVMMASharedLayout.get_default_for([rows, d], el))
+    def desc(x, rows, dt=el):
+        return TensorDescriptor.from_tensor(x, [rows, d], gl.NVMMASharedLayout.get_default_for([rows, d], dt))
 
     dk, dv = torch.empty_like(k), torch.empty_like(v)                      # [B, Hkv, Nk, d]
     bm, bn, st, warps = tiles["dkdv"]
     n_kb = triton.cdiv(Nk, bn)
     grid = (B * Hkv, n_kb) if causal else (n_kb, B * Hkv)
-    _bwd_dkdv[grid](desc(q2, bm), desc(k2, bn), desc(v2, bn), desc(do2, bm), lse2, delta, dk, dv, N, Nk, H // Hkv,
-                    diag, qk_scale, sm_scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=st, CAUSAL=bool(causal),
-                    num_warps=warps)
+    dq_acc = torch.zeros((B * H * N, d), device=q.device, dtype=torch.float32) if atomic else None   # fp32 sums
+    _bwd_dkdv[grid](desc(q2, bm), desc(k2, bn), desc(v2, bn), desc(do2, bm),
+                    desc(dq_acc, bm, gl.float32) if atomic else None, lse2, delta, dk, dv, N, Nk, H // Hkv, diag,
+                    qk_scale, sm_scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=st, CAUSAL=bool(causal),
+                    DQ_ATOMIC=atomic, num_warps=warps)
+    if atomic:
+        return dq_acc.view(B, H, N, d).to(q.dtype), dk, dv
     dq = torch.empty_like(q)                                               # [B, H, N, d]
     bm, bn, st, warps = tiles["dq"]
     n_qb = triton.cdiv(N, bm)
@@ -444,10 +535,13 @@ def gluon_backward(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_
     return dq, dk, dv
 
 
-def compile_backward_for_sm90(d=128, dtype="bf16", causal=False, config=None, asm="ptx"):
+def compile_backward_for_sm90(d=128, dtype="bf16", causal=False, config=None, asm="ptx", dq_mode=None):
     """Compile the backward's kernels for sm_90 with Triton's own compiler, no GPU needed (TTGIR, PTX, and a cubin
     through the ptxas in Triton's wheel): {"preprocess", "dkdv", "dq"} -> the PTX (``asm``: another of Triton's
-    stages, e.g. "ttgir"). GQA, N, Nk and diag are runtime arguments: nothing to compile for them."""
+    stages, e.g. "ttgir"); ``dq_mode="atomic"``: {"preprocess", "dkdv"}, the dK/dV kernel with dQ in it. GQA, N, Nk
+    and diag are runtime arguments: nothing to compile for them. The preprocess is a plain Triton kernel: it compiles
+    only with Triton native (TRITON_INTERPRET off)."""
+    atomic = _dq_mode(dq_mode) == "atomic"
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -461,16 +555,25 @@ def compile_backward_for_sm90(d=128, dtype="bf16", causal=False, config=None, as
                     {"HEAD_DIM": d, "BLOCK_M": _PRE_BLOCK_M, "BLOCK_D": d})
     out["preprocess"] = triton.compile(pre, target=target).asm[asm]
     for kind, kernel in (("dkdv", _bwd_dkdv), ("dq", _bwd_dq)):
-        bm, bn, st, warps = _tiles(d, config)[kind]
+        if kind == "dq" and atomic:
+            continue
+        bm, bn, st, warps = _tiles(d, config, dq_mode)[kind]
         desc = {rows: f"tensordesc<{dtype}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], el)!r}>"
                 for rows in (bm, bn)}
-        grads = {"DK": f"*{dtype}", "DV": f"*{dtype}"} if kind == "dkdv" else {"DQ": f"*{dtype}"}
-        sig = {"q_desc": desc[bm], "k_desc": desc[bn], "v_desc": desc[bn], "do_desc": desc[bm], "LSE2": "*fp32",
-               "DELTA": "*fp32", **grads, "N": "i32", "Nk": "i32", "group": "i32", "diag": "i32", "qk_scale": "fp32",
-               "sm_scale": "fp32", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-               "NUM_STAGES": "constexpr", "CAUSAL": "constexpr", "num_warps": "constexpr"}
-        const = {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": st, "CAUSAL": bool(causal),
-                 "num_warps": warps}
+        const = {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": st, "CAUSAL": bool(causal)}
+        if kind == "dkdv":
+            dq_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gl.float32)
+            grads = {"dq_desc": f"tensordesc<fp32[{bm}, {d}],{dq_layout!r}>" if atomic else "constexpr"}
+            const.update({"DQ_ATOMIC": atomic} if atomic else {"dq_desc": None, "DQ_ATOMIC": False})
+            after = {"DK": f"*{dtype}", "DV": f"*{dtype}"}
+        else:
+            grads, after = {}, {"DQ": f"*{dtype}"}
+        sig = {"q_desc": desc[bm], "k_desc": desc[bn], "v_desc": desc[bn], "do_desc": desc[bm], **grads,
+               "LSE2": "*fp32", "DELTA": "*fp32", **after, "N": "i32", "Nk": "i32", "group": "i32", "diag": "i32",
+               "qk_scale": "fp32", "sm_scale": "fp32", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr",
+               "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "CAUSAL": "constexpr",
+               **({"DQ_ATOMIC": "constexpr"} if kind == "dkdv" else {}), "num_warps": "constexpr"}
+        const["num_warps"] = warps
         src = GluonASTSource(kernel, sig, const)
         out[kind] = triton.compile(src, target=target, options={"num_warps": warps}).asm[asm]
     return out
@@ -513,82 +616,111 @@ def _sdpa_grads(q, k, v, do, causal, align):
     return [x.grad for x in a]
 
 
-def gluon_backward_selftest(shapes=None, seed=0, log=None, causal=None, config=None, dtypes=None, dims=(64, 128)):
+def gluon_backward_selftest(shapes=None, seed=0, log=None, causal=None, config=None, dtypes=None, dims=(64, 128),
+                            dq_modes=None, before=None):
     """On an sm_90 GPU: ``gluon_backward`` against float64 autograd on harsh cases (the forward's
     ``SELFTEST_CASES``: ragged N and Nk, N = 1, Nk = 1, N != Nk both ways, large logits at N = 257, GQA 4:1 and 8:1,
-    causal in both alignments, rows that see no key), bf16 and fp16, d = 64 and 128. The inputs o and lse are the
-    float64 forward's, rounded (o to the dtype, lse to float32), so the backward is tested alone. Per gradient the
-    bound is 2 x SDPA's own backward error in that dtype on the same inputs plus eps(dtype) x max|reference|; every
-    gradient must be finite and a row that sees no key must get dq = 0 exactly. ``causal``: None every case, True or
-    False only those. A case that raises is a failed row (its error kept) and the others still run; ``log(row)`` is
-    called after each. Returns {"cases", "worst" {dq, dk, dv: max error / bound}, "ok", "rows"}."""
+    causal in both alignments, rows that see no key), bf16 and fp16, d = 64 and 128, each ``dq_modes`` (default: all
+    of ``DQ_MODES``) on the same inputs. The inputs o and lse are the float64 forward's, rounded (o to the dtype, lse
+    to float32), so the backward is tested alone. Per gradient the bound is 2 x SDPA's own backward error in that
+    dtype on the same inputs plus eps(dtype) x max|reference|; every gradient must be finite and a row that sees no
+    key must get dq = 0 exactly. ``causal``: None every case, True or False only those. A case that raises is a
+    failed row (its error kept) and the others still run; ``before(row)`` is called before a case runs (a kernel that
+    hangs is then named) and ``log(row)`` after. Returns {"cases", "worst" {dq, dk, dv: max error / bound}, "ok",
+    "rows"}."""
     import torch
     torch.manual_seed(seed)
     cases = [c if len(c) == 7 else (c[0], c[1], c[1], c[2], c[3], False, "top_left") for c in shapes or SELFTEST_CASES]
     cases = [c for c in cases if causal is None or c[5] == causal]
+    modes = [_dq_mode(m) for m in (dq_modes or DQ_MODES)]
     rows, worst, ok = [], {"dq": 0.0, "dk": 0.0, "dv": 0.0}, True
+
+    def record(row):
+        rows.append(row)
+        if log:
+            log(row)
+
     for dt in dtypes or (torch.bfloat16, torch.float16):
         for d in dims:
             for B, H, Hkv, N, Nk, is_causal, align in cases:
-                row = dict(dtype=str(dt).replace("torch.", ""), d=d, shape=(B, H, Hkv, N, Nk),
-                           causal=align if is_causal else False)
+                head = dict(dtype=str(dt).replace("torch.", ""), d=d, shape=(B, H, Hkv, N, Nk),
+                            causal=align if is_causal else False)
                 big = 4.0 if N == 257 else 1.0                   # large logits in one shape
                 q = (torch.randn(B, H, N, d, device="cuda") * big).to(dt)
                 k, v = (torch.randn(B, Hkv, Nk, d, device="cuda").to(dt) for _ in range(2))
                 do = torch.randn(B, H, N, d, device="cuda").to(dt)
                 try:
                     o64, lse64, *refs = _grads_reference(q, k, v, do, is_causal, align)
-                    mine = gluon_backward(do, q, k, v, o64.to(dt), lse64.float(), causal=is_causal, align=align,
-                                          config=config)
-                    torch.cuda.synchronize()
                     theirs = _sdpa_grads(q, k, v, do, is_causal, align)
-                except Exception as e:  # noqa: BLE001 - one report for the whole run
+                except Exception as e:  # noqa: BLE001 - the references failed: every mode's row says so
                     ok = False
-                    rows.append(dict(row, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                    if log:
-                        log(rows[-1])
+                    for mode in modes:
+                        record(dict(head, dq_mode=mode, ok=False, error=f"reference: {type(e).__name__}: "
+                                                                          f"{str(e)[:300]}"))
                     continue
                 seen = torch.isfinite(lse64)                     # [B, H, N] rows that see at least one key
-                good = all(bool(torch.isfinite(r).all()) for r in refs)
-                row["ref_finite"] = good
-                for name, m, t, r in zip(("dq", "dk", "dv"), mine, theirs, refs):
-                    err = (m.double() - r).abs().max().item() if r.numel() else 0.0
-                    sdpa = (t.double() - r).abs().max().item() if r.numel() else 0.0
-                    bound = 2 * sdpa + torch.finfo(dt).eps * (r.abs().max().item() if r.numel() else 0.0)
-                    fine = bool(torch.isfinite(m).all()) and err <= bound
-                    row.update({f"{name}_err": err, f"{name}_sdpa_err": sdpa, f"{name}_ok": fine})
-                    worst[name] = max(worst[name], err / bound if bound > 0 else (0.0 if err == 0 else math.inf))
-                    good &= fine
-                empty_ok = bool((mine[0][~seen] == 0).all())     # dq rows of rows that see no key: 0 exactly
-                row.update(empty_rows=int((~seen).sum().item()), empty_ok=empty_ok, ok=good and empty_ok)
-                ok &= row["ok"]
-                rows.append(row)
-                if log:
-                    log(rows[-1])
-                del q, k, v, do, o64, lse64, refs, mine, theirs
+                ref_finite = all(bool(torch.isfinite(r).all()) for r in refs)
+                o_in, lse_in = o64.to(dt), lse64.float()
+                for mode in modes:
+                    row = dict(head, dq_mode=mode)
+                    if before:
+                        before(row)
+                    try:
+                        mine = gluon_backward(do, q, k, v, o_in, lse_in, causal=is_causal, align=align,
+                                              dq_mode=mode, config=config)
+                        torch.cuda.synchronize()
+                    except Exception as e:  # noqa: BLE001 - one report for the whole run
+                        ok = False
+                        record(dict(row, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                        continue
+                    good = ref_finite
+                    row["ref_finite"] = ref_finite
+                    for name, m, t, r in zip(("dq", "dk", "dv"), mine, theirs, refs):
+                        err = (m.double() - r).abs().max().item() if r.numel() else 0.0
+                        sdpa = (t.double() - r).abs().max().item() if r.numel() else 0.0
+                        bound = 2 * sdpa + torch.finfo(dt).eps * (r.abs().max().item() if r.numel() else 0.0)
+                        fine = bool(torch.isfinite(m).all()) and err <= bound
+                        row.update({f"{name}_err": err, f"{name}_sdpa_err": sdpa, f"{name}_ok": fine})
+                        worst[name] = max(worst[name], err / bound if bound > 0 else (0.0 if err == 0 else math.inf))
+                        good &= fine
+                    empty_ok = bool((mine[0][~seen] == 0).all())     # dq of rows that see no key: 0 exactly
+                    row.update(empty_rows=int((~seen).sum().item()), empty_ok=empty_ok, ok=good and empty_ok)
+                    ok &= row["ok"]
+                    record(row)
+                    del mine
+                del q, k, v, do, o64, lse64, refs, theirs, o_in, lse_in
     return {"cases": len(rows), "worst": worst, "ok": ok, "rows": rows}
+
+
+def _head(row):
+    return (f"{row['dq_mode']:8s} {row['dtype']:8s} d={row['d']:<3d} (B,H,Hkv,N,Nk)={row['shape']} "
+            f"causal={row['causal']}")
 
 
 def _fmt(row):
     """One case on one line: its shape and, per gradient, error / SDPA's error."""
-    head = f"{row['dtype']:8s} d={row['d']:<3d} (B,H,Hkv,N,Nk)={row['shape']} causal={row['causal']}"
     if "error" in row:
-        return f"FAIL {head}: {row['error']}"
+        return f"FAIL {_head(row)}: {row['error']}"
     errs = " ".join(f"{n} {row[f'{n}_err']:.2e}/{row[f'{n}_sdpa_err']:.2e}" for n in ("dq", "dk", "dv"))
     empty = f" empty rows {row['empty_rows']} ({'dq 0' if row['empty_ok'] else 'dq NOT 0'})" if row["empty_rows"] else ""
-    return f"{'ok  ' if row['ok'] else 'FAIL'} {head}: err/sdpa_err {errs}{empty}"
+    return f"{'ok  ' if row['ok'] else 'FAIL'} {_head(row)}: err/sdpa_err {errs}{empty}"
 
 
-if __name__ == "__main__":     # on an sm_90 GPU: python -m helpers.kernels.gluon_backward [--causal]
+if __name__ == "__main__":     # on an sm_90 GPU: python -m helpers.kernels.gluon_backward [--causal] [--dq-mode M]
     import argparse
+    import json
 
     import torch
     ap = argparse.ArgumentParser(description="The Gluon backward against float64 autograd on harsh cases "
                                              "(an sm_90 GPU).")
     ap.add_argument("--causal", action="store_true", help="only the causal cases (default: every case)")
+    ap.add_argument("--dq-mode", nargs="+", choices=list(DQ_MODES), default=None, help="default: every mode")
+    ap.add_argument("--config", type=json.loads, default=None, help="tile overrides (JSON), as gluon_backward's")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    result = gluon_backward_selftest(causal=True if args.causal else None, log=lambda r: print(_fmt(r), flush=True))
+    result = gluon_backward_selftest(causal=True if args.causal else None, dq_modes=args.dq_mode, config=args.config,
+                                     before=lambda r: print(f"...  {_head(r)}", end="\r", flush=True),
+                                     log=lambda r: print(_fmt(r), flush=True))
     n_bad = sum(not r["ok"] for r in result["rows"])
     w = result["worst"]
     print(f"gluon_backward: {result['cases']} cases{' (causal)' if args.causal else ''}, {n_bad} failed; worst "
