@@ -130,3 +130,42 @@ def test_default_tiles_fit_sm90_and_an_override_replaces_only_what_it_names():
         assert G._smem_bytes("dkdv", d, bm, bn, st, atomic=True) <= G.SMEM_LIMIT
     # 128 KiB at d = 128 for both kernels: the arithmetic the BLOCKS comment states
     assert [G._smem_bytes(kind, 128, *G.BLOCKS[128][kind]) // 1024 for kind in ("dkdv", "dq")] == [128, 128]
+
+
+# ------------------------------------------------------------------ the self-test's harness, with a stand-in kernel
+def test_selftest_harness_passes_exact_gradients_and_fails_wrong_ones(monkeypatch):
+    """gluon_backward_selftest on the CPU with gluon_backward replaced: float64 gradients rounded to the dtype pass
+    every case (rows that see no key included), gradients off by a little fail, and a mode that raises is a failed
+    row while the other mode's rows still run."""
+    import torch
+    G = _module()
+    cases = [(1, 2, 2, 9, 9, False, "top_left"), (1, 4, 2, 13, 5, True, "bottom_right"),   # 8 rows see no key
+             (1, 4, 1, 5, 13, True, "top_left")]
+
+    def exact(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left", dq_mode=None, config=None):
+        _, _, dq, dk, dv = G._grads_reference(q, k, v, do, causal, align)
+        if dq_mode == "atomic":
+            raise RuntimeError("planted")
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    monkeypatch.setattr(G, "gluon_backward", exact)
+    res = G.gluon_backward_selftest(shapes=cases, dims=(16,), dtypes=(torch.bfloat16,), device="cpu")
+    rows = {(r["dq_mode"], r["shape"]): r for r in res["rows"]}
+    assert res["cases"] == 6 and not res["ok"]
+    for c in cases:
+        assert rows[("separate", c[:5])]["ok"], rows[("separate", c[:5])]
+        assert rows[("atomic", c[:5])]["error"] == "RuntimeError: planted"
+    assert rows[("separate", cases[1][:5])]["empty_rows"] == 4 * 8 and rows[("separate", cases[1][:5])]["empty_ok"]
+    assert all(res["worst"][n] <= 1 for n in ("dq", "dk", "dv"))
+    lines = [G._fmt(r) for r in res["rows"]]                # the lines `python -m ...gluon_backward` prints
+    assert sum(x.startswith("ok  ") for x in lines) == 3 and sum(x.startswith("FAIL") for x in lines) == 3
+    assert "empty rows 32 (dq 0)" in lines[res["rows"].index(rows[("separate", cases[1][:5])])]
+
+    def off(*args, **kwargs):
+        dq, dk, dv = exact(*args, **{**kwargs, "dq_mode": None})
+        return dq, dk, dv + 0.1
+
+    monkeypatch.setattr(G, "gluon_backward", off)
+    res = G.gluon_backward_selftest(shapes=cases, dims=(16,), dtypes=(torch.bfloat16,), device="cpu",
+                                    dq_modes=["separate"])
+    assert not res["ok"] and all(not r["ok"] and r["dq_ok"] and r["dk_ok"] and not r["dv_ok"] for r in res["rows"])

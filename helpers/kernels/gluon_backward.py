@@ -617,7 +617,7 @@ def _sdpa_grads(q, k, v, do, causal, align):
 
 
 def gluon_backward_selftest(shapes=None, seed=0, log=None, causal=None, config=None, dtypes=None, dims=(64, 128),
-                            dq_modes=None, before=None):
+                            dq_modes=None, before=None, device="cuda"):
     """On an sm_90 GPU: ``gluon_backward`` against float64 autograd on harsh cases (the forward's
     ``SELFTEST_CASES``: ragged N and Nk, N = 1, Nk = 1, N != Nk both ways, large logits at N = 257, GQA 4:1 and 8:1,
     causal in both alignments, rows that see no key), bf16 and fp16, d = 64 and 128, each ``dq_modes`` (default: all
@@ -627,7 +627,7 @@ def gluon_backward_selftest(shapes=None, seed=0, log=None, causal=None, config=N
     key must get dq = 0 exactly. ``causal``: None every case, True or False only those. A case that raises is a
     failed row (its error kept) and the others still run; ``before(row)`` is called before a case runs (a kernel that
     hangs is then named) and ``log(row)`` after. Returns {"cases", "worst" {dq, dk, dv: max error / bound}, "ok",
-    "rows"}."""
+    "rows"}. (``device``: "cuda"; the CPU only for testing this harness with a stand-in for the kernel.)"""
     import torch
     torch.manual_seed(seed)
     cases = [c if len(c) == 7 else (c[0], c[1], c[1], c[2], c[3], False, "top_left") for c in shapes or SELFTEST_CASES]
@@ -646,9 +646,9 @@ def gluon_backward_selftest(shapes=None, seed=0, log=None, causal=None, config=N
                 head = dict(dtype=str(dt).replace("torch.", ""), d=d, shape=(B, H, Hkv, N, Nk),
                             causal=align if is_causal else False)
                 big = 4.0 if N == 257 else 1.0                   # large logits in one shape
-                q = (torch.randn(B, H, N, d, device="cuda") * big).to(dt)
-                k, v = (torch.randn(B, Hkv, Nk, d, device="cuda").to(dt) for _ in range(2))
-                do = torch.randn(B, H, N, d, device="cuda").to(dt)
+                q = (torch.randn(B, H, N, d, device=device) * big).to(dt)
+                k, v = (torch.randn(B, Hkv, Nk, d, device=device).to(dt) for _ in range(2))
+                do = torch.randn(B, H, N, d, device=device).to(dt)
                 try:
                     o64, lse64, *refs = _grads_reference(q, k, v, do, is_causal, align)
                     theirs = _sdpa_grads(q, k, v, do, is_causal, align)
@@ -668,7 +668,8 @@ def gluon_backward_selftest(shapes=None, seed=0, log=None, causal=None, config=N
                     try:
                         mine = gluon_backward(do, q, k, v, o_in, lse_in, causal=is_causal, align=align,
                                               dq_mode=mode, config=config)
-                        torch.cuda.synchronize()
+                        if q.is_cuda:
+                            torch.cuda.synchronize()
                     except Exception as e:  # noqa: BLE001 - one report for the whole run
                         ok = False
                         record(dict(row, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}"))
