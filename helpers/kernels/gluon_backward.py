@@ -47,8 +47,9 @@ Three launches (``dq_mode="atomic"``: two and a cast):
 
    Deterministic: every dq element is written once, by one program (``dq_mode="separate"``, the default).
 4. Or ``dq_mode="atomic"`` (FA3's way, no dQ kernel): the dK/dV kernel also stores dS^T (bf16/fp16) in shared memory
-   and computes dQ_i = dS K_j [BLOCK_M, d] with one more wgmma (A = dS, the transposed view of that buffer: an
-   M-major A operand), scales it by sm_scale and adds the fp32 tile into a zeroed ``[B*H*N, d]`` buffer with the TMA's
+   (then dK's wgmma reads its A from there too, which frees the registers of dS^T's operand copy) and computes
+   dQ_i = dS K_j [BLOCK_M, d] with one more wgmma (A = dS, the transposed view of that buffer: an M-major A
+   operand), scales it by sm_scale and adds the fp32 tile into a zeroed ``[B*H*N, d]`` buffer with the TMA's
    reduce-add (``cp.reduce.async.bulk.tensor ... .add``, two shared-memory tiles so one add runs while the next tile
    is computed); a cast to the dtype follows. 5 GEMMs per tile pair instead of 7 (the dQ kernel recomputes S and
    dP), at the price of run-to-run differences in the last bits of dq (the adds' order varies). Here keys past Nk
@@ -62,7 +63,7 @@ Tiles (``BLOCKS``, ``config=`` overrides them for a sweep) and their shared memo
 Measured: nothing yet. Every kernel compiles for sm_90 (Triton 3.6 and 3.9; ``compile_backward_for_sm90``) and has
 not yet run natively: no claim about its correctness or speed on a GPU is made here. ptxas (Triton 3.6's, sm_90a)
 reports for the dK/dV kernel at d = 128 the full 255 registers a thread, with no spills non-causal and ~24 bytes
-causal; with atomic dQ ~0.45 KiB of spill stores a thread; at d = 64 about 200 registers, no spills; the dQ kernel
+causal; with atomic dQ ~0.35 KiB of spill stores a thread; at d = 64 about 200 registers, no spills; the dQ kernel
 120-180 registers, no spills. On an sm_90 GPU: ``python -m helpers.kernels.gluon_backward`` runs
 ``gluon_backward_selftest()`` (harsh cases against float64 autograd, both dQ modes, one line each, exit code 0/1);
 ``bench/bench_gluon.py --bwd`` times it. ``gluon_backward`` checks its inputs on the host first (TypeError/ValueError;
@@ -152,11 +153,14 @@ def _dkdv_tiles(t_lo, t_hi, t_head, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v
         if DQ_ATOMIC:
             ds_smem.store(dsT_lo)                                # dS^T for the dQ GEMM's A operand
             fence_async_shared()                                 # the stores before wgmma reads them
-        dsT_op = gl.convert_layout(dsT_lo, op_layout)
-        dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)    # dK += dS^T Q     [BLOCK_N, HEAD_DIM]
         if DQ_ATOMIC:
+            dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)    # dK += dS^T Q     [BLOCK_N, HEAD_DIM]
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)  # dS K
-            dv, dk, pT_op, dsT_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, pT_op, dsT_op, dq))
+            dv, dk, pT_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, pT_op, dq))
+        else:
+            dsT_op = gl.convert_layout(dsT_lo, op_layout)
+            dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)    # dK += dS^T Q     [BLOCK_N, HEAD_DIM]
+        if DQ_ATOMIC:
             buf = dq_smem.index(t % 2)
             tma.store_wait(1)                                    # the add of tile t - 2 has read this buffer
             buf.store(dq * sm_scale)                             # [BLOCK_M, HEAD_DIM] fp32
