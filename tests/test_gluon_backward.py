@@ -18,12 +18,15 @@ from helpers.kernels.gluon_backward import compile_backward_for_sm90
 feats = ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx",
          "wgmma.wait_group.sync.aligned 1", "%nctaid.y", "atom.")
 reduce = "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add"
+flip = {"dkdv": {"PIPELINE": True}, "dq": {"PIPELINE": False}}     # the other loop of each kernel at d = 128
 out = {}
-for d, dt, causal, mode in ((64, "bf16", False, "separate"), (128, "fp16", False, "separate"),
-                            (64, "fp16", True, "separate"), (128, "bf16", True, "separate"),
-                            (128, "bf16", True, "atomic"), (64, "fp16", False, "atomic")):
-    for kind, ptx in compile_backward_for_sm90(d=d, dtype=dt, causal=causal, dq_mode=mode).items():
-        out[f"{d} {dt}{' causal' if causal else ''} {mode} {kind}"] = [f for f in feats + (reduce,) if f in ptx]
+for d, dt, causal, mode, cfg in ((64, "bf16", False, "separate", None), (128, "fp16", False, "separate", None),
+                                 (64, "fp16", True, "separate", None), (128, "bf16", True, "separate", None),
+                                 (128, "bf16", True, "separate", flip),
+                                 (128, "bf16", True, "atomic", None), (64, "fp16", False, "atomic", None)):
+    for kind, ptx in compile_backward_for_sm90(d=d, dtype=dt, causal=causal, dq_mode=mode, config=cfg).items():
+        key = f"{d} {dt}{' causal' if causal else ''} {mode}{' flip' if cfg else ''} {kind}"
+        out[key] = [f for f in feats + (reduce,) if f in ptx]
 print(json.dumps(out))
 """
 
@@ -34,7 +37,8 @@ def test_gluon_backward_compiles_for_sm90():
     kernel), the dK/dV kernel and the dQ kernel for d = 64 and 128, bf16 and fp16, causal and not. Both Gluon
     kernels load by TMA through mbarriers, run wgmma asynchronously with a wait that leaves one group in flight (S
     or S^T done while dP or dP^T still runs), take one ex2 per score and use no atomics (dQ is its own kernel:
-    deterministic). Causal dQ counts its query block from the grid's end (heaviest first). With dq_mode="atomic"
+    deterministic). Causal dQ counts its query block from the grid's end (heaviest first). Both loops of each kernel
+    (PIPELINE on and off: the default at d = 128 and its flip) compile. With dq_mode="atomic"
     there is no dQ kernel: the dK/dV kernel adds its fp32 dQ tiles by the TMA's reduce, still no per-element
     atomics."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
@@ -45,10 +49,11 @@ def test_gluon_backward_compiles_for_sm90():
     gluon = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx",
              "wgmma.wait_group.sync.aligned 1"]
     want = {}
-    for cfg in ("64 bf16", "128 fp16", "64 fp16 causal", "128 bf16 causal"):
-        want[f"{cfg} separate preprocess"] = []
-        want[f"{cfg} separate dkdv"] = gluon
-        want[f"{cfg} separate dq"] = gluon + (["%nctaid.y"] if "causal" in cfg else [])
+    for cfg in ("64 bf16 separate", "128 fp16 separate", "64 fp16 causal separate", "128 bf16 causal separate",
+                "128 bf16 causal separate flip"):
+        want[f"{cfg} preprocess"] = []
+        want[f"{cfg} dkdv"] = gluon
+        want[f"{cfg} dq"] = gluon + (["%nctaid.y"] if "causal" in cfg else [])
     for cfg in ("128 bf16 causal", "64 fp16"):
         want[f"{cfg} atomic preprocess"] = []
         want[f"{cfg} atomic dkdv"] = gluon + ["cp.reduce.async.bulk.tensor.2d.global.shared::cta.add"]
@@ -102,7 +107,9 @@ def test_gluon_backward_says_what_is_wrong_before_any_gpu_work(case, kwargs, err
     ({"dkdv": {"BLOCK_N": 96}}, "config['dkdv']['BLOCK_N'] must be a power of two in [16, 256], got 96"),
     ({"dq": {"BLOCK_M": 64, "num_warps": 8}}, "num_warps must be 4 or 8 and divide BLOCK_M = 64"),
     ({"dkdv": {"BLOCK_M": 128, "NUM_STAGES": 4}}, "KiB of shared memory at d = 128"),
-    ({"dkdv": {"block_m": 64}}, "takes BLOCK_M, BLOCK_N, NUM_STAGES, num_warps"),
+    ({"dkdv": {"block_m": 64}}, "takes BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, PIPELINE"),
+    ({"dq": {"NUM_STAGES": 1}}, "must be 1..8 (2..8 with PIPELINE), got 1"),
+    ({"dq": {"PIPELINE": 1}}, "config['dq']['PIPELINE'] must be True or False"),
     ({"fwd": {}}, "config keys are 'dkdv' and 'dq'"),
     ({"dkdv": {"NUM_STAGES": 4}, "dq_mode": "atomic"}, "KiB of shared memory at d = 128 with atomic dQ"),
     ({"dkdv": {"BLOCK_M": 32}, "dq_mode": "atomic"}, "dq_mode='atomic' needs config['dkdv']['BLOCK_M'] >= 64"),
@@ -120,16 +127,19 @@ def test_default_tiles_fit_sm90_and_an_override_replaces_only_what_it_names():
     G = _module()
     for d in G.BLOCKS:
         tiles = G._tiles(d)
-        for kind, (bm, bn, st, warps) in tiles.items():
+        for kind, (bm, bn, st, warps, _) in tiles.items():
             assert G._smem_bytes(kind, d, bm, bn, st) <= G.SMEM_LIMIT
             assert warps == (bn if kind == "dkdv" else bm) // 16      # one warp per 16 accumulator rows
-    t = G._tiles(128, {"dkdv": {"NUM_STAGES": 3}})
-    assert t["dkdv"] == (64, 128, 3, 8) and t["dq"] == G._tiles(128)["dq"]
+    t = G._tiles(128, {"dkdv": {"NUM_STAGES": 2, "PIPELINE": True}})
+    assert t["dkdv"] == (64, 128, 2, 8, True) and t["dq"] == G._tiles(128)["dq"]
+    assert G._tiles(128, {"dq": {"NUM_STAGES": 1, "PIPELINE": False}})["dq"][2:] == (1, 8, False)
     for d in G.BLOCKS:                                    # atomic dQ's dS^T and two fp32 dQ tiles fit too
-        bm, bn, st, _ = G._tiles(d, dq_mode="atomic")["dkdv"]
+        bm, bn, st, _, pipe = G._tiles(d, dq_mode="atomic")["dkdv"]
         assert G._smem_bytes("dkdv", d, bm, bn, st, atomic=True) <= G.SMEM_LIMIT
-    # 128 KiB at d = 128 for both kernels: the arithmetic the BLOCKS comment states
-    assert [G._smem_bytes(kind, 128, *G.BLOCKS[128][kind]) // 1024 for kind in ("dkdv", "dq")] == [128, 128]
+        assert not pipe and not G._tiles(d, {"dkdv": {"PIPELINE": True}}, "atomic")["dkdv"][4]   # never defers
+    # the arithmetic the BLOCKS comment states, d = 128: 160 KiB for both kernels, 208 for dK/dV with atomic dQ
+    assert [G._smem_bytes(kind, 128, *G.BLOCKS[128][kind][:3]) // 1024 for kind in ("dkdv", "dq")] == [160, 160]
+    assert G._smem_bytes("dkdv", 128, *G.BLOCKS[128]["dkdv_atomic"][:3], atomic=True) // 1024 == 208
 
 
 # ------------------------------------------------------------------ the self-test's harness, with a stand-in kernel

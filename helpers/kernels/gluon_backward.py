@@ -32,8 +32,10 @@ Three launches (``dq_mode="atomic"``: two and a cast):
 
    S^T and dP^T are issued together asynchronously; the kernel waits for S^T alone and computes P^T while dP^T is on
    the tensor cores, issues dV asynchronously and waits for dP^T alone (dV may still run) while it forms dS^T, then
-   issues dK and waits for both before the stage is refilled (the same warps issue the loads: no warp
-   specialisation yet). At the end dK *= sm_scale; dK, dV are stored with a row mask (keys < Nk).
+   issues dK and waits for both before the stage is refilled (``_dkdv_tiles``; the same warps issue the loads: no
+   warp specialisation yet). With ``PIPELINE`` (``_dkdv_tiles_deferred``) dK_t is left in flight into tile t+1,
+   whose S^T and dP^T queue behind it, and tile t's stage is refilled there, once dK_t is done. At the end
+   dK *= sm_scale; dK, dV are stored with a row mask (keys < Nk).
    Query rows past N (the next head's rows in the ``[B*H*N, d]`` view, or the TMA's zeros) need no mask: their
    lse2 is loaded as +inf and D as 0, so their P and dS are 0. Keys past Nk (the last key block's tail) need none
    either: every quantity of a key row stays in its own row of dK, dV, and those rows are never stored.
@@ -44,6 +46,8 @@ Three launches (``dq_mode="atomic"``: two and a cast):
 
        S = Q_i K_j^T, dP = dO_i V_j^T  (both issued async, wait for S alone, then for dP);  P = exp2(S*qk_scale - lse2)
        dS = P * (dP - D);  dQ += dS K_j  (wgmma, A = dS from registers);  at the end dQ *= sm_scale
+
+   With ``PIPELINE`` (``_dq_tiles_deferred``) the dQ GEMM of tile j is left in flight into tile j+1, as in dK/dV.
 
    Deterministic: every dq element is written once, by one program (``dq_mode="separate"``, the default).
 4. Or ``dq_mode="atomic"`` (FA3's way, no dQ kernel): the dK/dV kernel also stores dS^T (bf16/fp16) in shared memory
@@ -77,7 +81,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                             warpgroup_mma_wait)
+                                                             warpgroup_mma_init, warpgroup_mma_wait)
 
 from .common import LOG2E
 from .gluon_forward import (SELFTEST_CASES, _check_align, _check_inputs, _diag, _gl_dtype, _n_free, _n_tiles,
@@ -99,16 +103,22 @@ else:                                                            # Triton 3.6: i
         _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                   src.handle)
 
-# Tiles per head dim: {"dkdv": (BLOCK_M queries, BLOCK_N keys, NUM_STAGES), "dq": (BLOCK_M, BLOCK_N, NUM_STAGES)};
-# num_warps = (dK/dV) BLOCK_N // 16, (dQ) BLOCK_M // 16: one warp per 16 rows of the wgmma accumulator.
-# Shared memory, bf16/fp16 (2 bytes), d = 128:
-#   dK/dV: K + V 2 x 128 x 128 x 2 = 64 KiB, + 2 stages x (Q + dO) 2 x 64 x 128 x 2 = 64 KiB: 128 KiB;
-#   dQ:    Q + dO 2 x 128 x 128 x 2 = 64 KiB, + 2 stages x (K + V) 2 x 64 x 128 x 2 = 64 KiB: 128 KiB.
-# d = 64: dK/dV 32 + 3 x 16 = 80 KiB; dQ 32 + 3 x 16 = 80 KiB. (sm_90 gives a CTA up to 227 KiB.)
+# Tiles per head dim: {"dkdv": (BLOCK_M queries, BLOCK_N keys, NUM_STAGES, PIPELINE), "dkdv_atomic": (the same with
+# dq_mode="atomic"), "dq": (BLOCK_M, BLOCK_N, NUM_STAGES, PIPELINE)}; num_warps = (dK/dV) BLOCK_N // 16, (dQ)
+# BLOCK_M // 16: one warp per 16 rows of the wgmma accumulator. PIPELINE: a tile's last GEMM left in flight into the
+# next (_dkdv_tiles_deferred, _dq_tiles_deferred), so a stage is refilled one tile later and the loads run
+# NUM_STAGES - 1 tiles ahead: three stages where they fit. It is off for the dK/dV kernel at d = 128, where ptxas
+# (Triton 3.6) spills 0.1-0.2 KiB a thread with it and ~0 without (registers: 255 either way); a sweep on the GPU
+# should decide. Shared memory, bf16/fp16 (2 bytes), d = 128:
+#   dK/dV: K + V 2 x 128 x 128 x 2 = 64 KiB, + 3 stages x (Q + dO) 2 x 64 x 128 x 2 = 96 KiB: 160 KiB;
+#   dK/dV, atomic dQ: 64 + 2 stages x 32 KiB + dS^T 128 x 64 x 2 = 16 KiB + 2 fp32 dQ tiles 2 x 64 x 128 x 4 = 64 KiB:
+#          208 KiB (three stages would need 240);
+#   dQ:    Q + dO 2 x 128 x 128 x 2 = 64 KiB, + 3 stages x (K + V) 2 x 64 x 128 x 2 = 96 KiB: 160 KiB.
+# d = 64: dK/dV 32 + 3 x 16 = 80 KiB (atomic 80 + 16 + 32 = 128); dQ 32 + 3 x 16 = 80 KiB. (sm_90: 227 KiB a CTA.)
 # Registers, d = 128, dK/dV, per thread of a warpgroup owning 64 keys: dK and dV 64 fp32 each, S^T and dP^T
 # [64, BLOCK_M = 64] 32 each, P^T and dS^T as bf16 operands 16 each, lse2 and D 16 each.
-BLOCKS = {64: {"dkdv": (64, 128, 3), "dq": (128, 64, 3)},
-          128: {"dkdv": (64, 128, 2), "dq": (128, 64, 2)}}
+BLOCKS = {64: {"dkdv": (64, 128, 3, True), "dkdv_atomic": (64, 128, 3, False), "dq": (128, 64, 3, True)},
+          128: {"dkdv": (64, 128, 3, False), "dkdv_atomic": (64, 128, 2, False), "dq": (128, 64, 3, True)}}
 SMEM_LIMIT = 227 * 1024      # bytes of shared memory one CTA may use on sm_90
 
 
@@ -179,10 +189,61 @@ def _dkdv_tiles(t_lo, t_hi, t_head, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v
 
 
 @gluon.jit
+def _dkdv_tiles_deferred(t_lo, t_hi, t_head, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem, q_smem, do_smem, full,
+                         q_desc, do_desc, LSE2, DELTA, dk, dv, dsT_op, sT_zero, offs_key, offs_col, N, Nk, diag,
+                         qk_scale, op_layout: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """_dkdv_tiles (dQ separate) with tile t-1's dK GEMM left in flight into tile t (``PIPELINE``): dk comes in and
+    goes out as a wgmma accumulator still being written, dsT_op as its A operand, kept alive until the wait that
+    covers it. Tile t issues S^T_t and dP^T_t behind it and waits until only dP^T_t is left: the tensor cores go from
+    dK_{t-1} to S^T_t with no gap for the loop's barrier, waits and loads, and stage (t-1) % NUM_STAGES, read no
+    more, is refilled then with tile t - 1 + NUM_STAGES (so NUM_STAGES >= 2, and the loads run one stage less ahead
+    than in _dkdv_tiles). dV_t is waited for right after dK_t is issued (it ran during dS^T's arithmetic), so P^T's
+    registers are not carried into the next tile."""
+    dtype: gl.constexpr = q_smem.dtype
+    for t in range(t_lo, t_hi):
+        s = t % NUM_STAGES                                       # stage of tile t
+        rows = (i_lo + t - t_head) * BLOCK_M + offs_col          # [BLOCK_M] query rows of this head
+        ok = rows < N                                            # rows past N: P = 0 through lse2 = +inf
+        lse2 = gl.load(LSE2 + l_row + rows, mask=ok, other=float("inf"))    # [BLOCK_M]
+        delta = gl.load(DELTA + l_row + rows, mask=ok, other=0.0)           # [BLOCK_M]
+        mbarrier.wait(full.index(s), (t // NUM_STAGES) & 1)      # lap r waits parity r%2
+        q_tile = q_smem.index(s)                                 # [BLOCK_M, HEAD_DIM]
+        do_tile = do_smem.index(s)                               # [BLOCK_M, HEAD_DIM]
+        sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), sT_zero, use_acc=False, is_async=True)    # K Q^T
+        dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), sT_zero, use_acc=False, is_async=True)  # V dO^T
+        sT, dk, dsT_op = warpgroup_mma_wait(1, deps=(sT, dk, dsT_op))   # dK_{t-1} and S^T_t done; dP^T_t may run
+        if t > 0:                                                # tile t-1's stage is free: refill it
+            prv = t - 1 + NUM_STAGES
+            if prv < n_tiles:
+                sp = (t - 1) % NUM_STAGES
+                g2 = prv // n_q                                  # its query head within the group
+                row = q_row0 + g2 * N + (i_lo + prv - g2 * n_q) * BLOCK_M
+                mbarrier.expect(full.index(sp), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                _tma_load(q_desc, [row, 0], full.index(sp), q_smem.index(sp))
+                _tma_load(do_desc, [row, 0], full.index(sp), do_smem.index(sp))
+        pT = gl.exp2(sT * qk_scale - lse2[None, :])              # [BLOCK_N, BLOCK_M] P^T
+        if MASK:
+            keep = (offs_key < Nk)[:, None]                      # keys past Nk: the next head's, or TMA's zeros
+            if CAUSAL:
+                keep = keep & (offs_key[:, None] <= rows[None, :] + diag)    # [BLOCK_N, BLOCK_M]
+            pT = gl.where(keep, pT, 0.0)
+        pT_op = gl.convert_layout(pT.to(dtype), op_layout)       # P^T as wgmma's A operand
+        dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)    # dV += P^T dO     [BLOCK_N, HEAD_DIM]
+        dpT = warpgroup_mma_wait(1, deps=(dpT,))                 # dP^T done; dV may still run
+        dsT = pT * (dpT - delta[None, :])                        # [BLOCK_N, BLOCK_M] dS^T
+        dsT_op = gl.convert_layout(dsT.to(dtype), op_layout)
+        dk = warpgroup_mma(dsT_op, q_tile, dk, is_async=True)    # dK += dS^T Q, left in flight
+        dv, pT_op = warpgroup_mma_wait(1, deps=(dv, pT_op))      # dV done (P^T's registers free); dK may run
+    return dk, dv, dsT_op
+
+
+@gluon.jit
 def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE2, DELTA, DK, DV, N, Nk, group, diag, qk_scale, sm_scale,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, num_warps: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
+    DEFER: gl.constexpr = PIPELINE and not DQ_ATOMIC             # atomic dQ waits for its GEMM inside the tile
     if CAUSAL:                                                   # grid (B*Hkv, key blocks): block 0 of every head first
         off_bkv = gl.program_id(0)
         start_n = gl.program_id(1) * BLOCK_N
@@ -255,18 +316,35 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE2, DELTA, DK, DV, N, 
     offs_key = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sT_layout))   # [BLOCK_N] key indices
     offs_col = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout))             # [BLOCK_M]
     mbarrier.wait(kv_bar, 0)
-    for g in range(group):                                       # the group's query heads, one after the other
-        t0 = g * n_q                                             # head g's first tile
-        l_row = q_row0 + g * N                                   # its row 0 in LSE2, DELTA
-        if CAUSAL or DQ_ATOMIC:                                  # the band, masked; then the blocks seen whole
-            dk, dv = _dkdv_tiles(t0, t0 + i_mid - i_lo, t0, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem,
+    if DEFER:
+        dk = warpgroup_mma_init(dk)                              # an accumulator that may be in flight
+        dsT_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=op_layout)
+        for g in range(group):                                   # the group's query heads, one after the other
+            t0 = g * n_q                                         # head g's first tile
+            l_row = q_row0 + g * N                               # its row 0 in LSE2, DELTA
+            if CAUSAL:                                           # the band, masked; then the blocks seen whole
+                dk, dv, dsT_op = _dkdv_tiles_deferred(
+                    t0, t0 + i_mid - i_lo, t0, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem, q_smem, do_smem,
+                    full, q_desc, do_desc, LSE2, DELTA, dk, dv, dsT_op, sT_zero, offs_key, offs_col, N, Nk,
+                    diag, qk_scale, op_layout, BLOCK_M, NUM_STAGES, True, CAUSAL)
+            dk, dv, dsT_op = _dkdv_tiles_deferred(
+                t0 + i_mid - i_lo, t0 + n_q, t0, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem, q_smem, do_smem,
+                full, q_desc, do_desc, LSE2, DELTA, dk, dv, dsT_op, sT_zero, offs_key, offs_col, N, Nk,
+                diag, qk_scale, op_layout, BLOCK_M, NUM_STAGES, False, CAUSAL)
+        dk, dsT_op = warpgroup_mma_wait(0, deps=(dk, dsT_op))    # the last tile's dK
+    else:
+        for g in range(group):                                   # the group's query heads, one after the other
+            t0 = g * n_q                                         # head g's first tile
+            l_row = q_row0 + g * N                               # its row 0 in LSE2, DELTA
+            if CAUSAL or DQ_ATOMIC:                              # the band, masked; then the blocks seen whole
+                dk, dv = _dkdv_tiles(t0, t0 + i_mid - i_lo, t0, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem,
+                                     q_smem, do_smem, full, q_desc, do_desc, LSE2, DELTA, dk, dv, sT_zero, offs_key,
+                                     offs_col, N, Nk, diag, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, dq_zero,
+                                     op_layout, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_ATOMIC)
+            dk, dv = _dkdv_tiles(t0 + i_mid - i_lo, t0 + n_q, t0, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem,
                                  q_smem, do_smem, full, q_desc, do_desc, LSE2, DELTA, dk, dv, sT_zero, offs_key,
                                  offs_col, N, Nk, diag, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, dq_zero,
-                                 op_layout, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_ATOMIC)
-        dk, dv = _dkdv_tiles(t0 + i_mid - i_lo, t0 + n_q, t0, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem,
-                             q_smem, do_smem, full, q_desc, do_desc, LSE2, DELTA, dk, dv, sT_zero, offs_key,
-                             offs_col, N, Nk, diag, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, dq_zero,
-                             op_layout, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_ATOMIC)
+                                 op_layout, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_ATOMIC)
 
     if DQ_ATOMIC:
         tma.store_wait(0)                                        # the last adds have read dq_smem
@@ -318,9 +396,46 @@ def _dq_tiles(lo, hi, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_
 
 
 @gluon.jit
+def _dq_tiles_deferred(lo, hi, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_row, n_tiles, dq, ds_op, lse2,
+                       delta, s_zero, offs_m, offs_n, Nk, diag, qk_scale, ds_layout: gl.constexpr,
+                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """_dq_tiles with tile j-1's dQ GEMM left in flight into tile j (``PIPELINE``): dq comes in and goes out as a
+    wgmma accumulator still being written, ds_op as its A operand. Tile j issues S_j and dP_j behind it and waits
+    until only dP_j is left; then stage (j-1) % NUM_STAGES is refilled with tile j - 1 + NUM_STAGES."""
+    dtype: gl.constexpr = q_smem.dtype
+    for j in range(lo, hi):
+        s = j % NUM_STAGES                                       # stage of tile j
+        mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # lap r waits parity r%2
+        k_tile = k_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
+        v_tile = v_smem.index(s)                                 # [BLOCK_N, HEAD_DIM]
+        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)   # Q K^T
+        dp = warpgroup_mma(do_smem, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dO V^T
+        qk, dq, ds_op = warpgroup_mma_wait(1, deps=(qk, dq, ds_op))   # dQ_{j-1} and S_j done; dP_j may run
+        if j > 0:                                                # tile j-1's stage is free: refill it
+            prv = j - 1 + NUM_STAGES
+            if prv < n_tiles:
+                sp = (j - 1) % NUM_STAGES
+                mbarrier.expect(full.index(sp), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                _tma_load(k_desc, [kv_row + prv * BLOCK_N, 0], full.index(sp), k_smem.index(sp))
+                _tma_load(v_desc, [kv_row + prv * BLOCK_N, 0], full.index(sp), v_smem.index(sp))
+        p = gl.exp2(qk * qk_scale - lse2[:, None])               # [BLOCK_M, BLOCK_N]
+        if MASK:
+            cols = j * BLOCK_N + offs_n                          # [BLOCK_N] key indices
+            keep = (cols < Nk)[None, :]                          # keys past Nk: the next head's, or TMA's zeros
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)     # [BLOCK_M, BLOCK_N]
+            p = gl.where(keep, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds = p * (dp - delta[:, None])                           # [BLOCK_M, BLOCK_N] dS
+        ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
+        dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)     # += dS K, left in flight
+    return dq, ds_op
+
+
+@gluon.jit
 def _bwd_dq(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, N, Nk, group, diag, qk_scale, sm_scale,
             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+            CAUSAL: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     start_m, off_bh = _program_ids(CAUSAL)                       # which query block, which (batch, head)
     q_row = off_bh * N + start_m * BLOCK_M                       # first row of this block in q viewed [B*H*N, d]
@@ -365,10 +480,22 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, N, Nk, group, diag
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar, 0)
     # off-band tiles, no mask; then the band (causal) and the ragged last key tile, masked
-    dq = _dq_tiles(0, n_free, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_row, n_tiles, dq, lse2,
-                   delta, s_zero, offs_m, offs_n, Nk, diag, qk_scale, ds_layout, BLOCK_N, NUM_STAGES, False, CAUSAL)
-    dq = _dq_tiles(n_free, n_tiles, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_row, n_tiles, dq, lse2,
-                   delta, s_zero, offs_m, offs_n, Nk, diag, qk_scale, ds_layout, BLOCK_N, NUM_STAGES, True, CAUSAL)
+    if PIPELINE:
+        dq = warpgroup_mma_init(dq)
+        ds_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=ds_layout)
+        dq, ds_op = _dq_tiles_deferred(0, n_free, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_row,
+                                       n_tiles, dq, ds_op, lse2, delta, s_zero, offs_m, offs_n, Nk, diag, qk_scale,
+                                       ds_layout, BLOCK_N, NUM_STAGES, False, CAUSAL)
+        dq, ds_op = _dq_tiles_deferred(n_free, n_tiles, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_row,
+                                       n_tiles, dq, ds_op, lse2, delta, s_zero, offs_m, offs_n, Nk, diag, qk_scale,
+                                       ds_layout, BLOCK_N, NUM_STAGES, True, CAUSAL)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+    else:
+        dq = _dq_tiles(0, n_free, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_row, n_tiles, dq, lse2,
+                       delta, s_zero, offs_m, offs_n, Nk, diag, qk_scale, ds_layout, BLOCK_N, NUM_STAGES, False, CAUSAL)
+        dq = _dq_tiles(n_free, n_tiles, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_row, n_tiles, dq,
+                       lse2, delta, s_zero, offs_m, offs_n, Nk, diag, qk_scale, ds_layout, BLOCK_N, NUM_STAGES, True,
+                       CAUSAL)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
@@ -399,11 +526,16 @@ def _dq_mode(dq_mode):
     return mode
 
 
+_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_STAGES", "num_warps", "PIPELINE")
+
+
 def _tiles(d, config=None, dq_mode=None):
-    """{"dkdv": (BLOCK_M, BLOCK_N, NUM_STAGES, num_warps), "dq": (...)} for head dim d: ``BLOCKS[d]`` with
-    ``config``'s overrides ({"dkdv": {"BLOCK_M": .., "BLOCK_N": .., "NUM_STAGES": .., "num_warps": ..}, "dq": {..}},
-    any subset). Raises ValueError for a tile the kernels cannot take or that needs more than SMEM_LIMIT (the dK/dV
-    kernel's with ``dq_mode="atomic"``'s dS^T and two dQ tiles)."""
+    """{"dkdv": (BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, PIPELINE), "dq": (...)} for head dim d: ``BLOCKS[d]`` with
+    ``config``'s overrides ({"dkdv": {"BLOCK_M": .., "BLOCK_N": .., "NUM_STAGES": .., "num_warps": ..,
+    "PIPELINE": True/False}, "dq": {..}}, any subset; PIPELINE: the last GEMM of a tile left in flight into the next,
+    ``_dkdv_tiles_deferred``, ``_dq_tiles_deferred``; the dK/dV kernel with atomic dQ never defers).
+    Raises ValueError for a tile the kernels cannot take or that needs more than SMEM_LIMIT (the dK/dV kernel's with
+    ``dq_mode="atomic"``'s dS^T and two dQ tiles)."""
     atomic = _dq_mode(dq_mode) == "atomic"
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"gluon_backward: config must be a dict {{'dkdv': {{...}}, 'dq': {{...}}}} or None, got "
@@ -414,13 +546,16 @@ def _tiles(d, config=None, dq_mode=None):
         raise ValueError(f"gluon_backward: config keys are 'dkdv' and 'dq'; got {sorted(unknown)}")
     out = {}
     for kind in _KINDS:
-        bm, bn, st = BLOCKS[d][kind]
+        bm, bn, st, pipe = BLOCKS[d]["dkdv_atomic" if atomic and kind == "dkdv" else kind]
         over = config.get(kind) or {}
-        bad = set(over) - {"BLOCK_M", "BLOCK_N", "NUM_STAGES", "num_warps"}
+        bad = set(over) - set(_KEYS)
         if bad:
-            raise ValueError(f"gluon_backward: config[{kind!r}] takes BLOCK_M, BLOCK_N, NUM_STAGES, num_warps; got "
-                             f"{sorted(bad)}")
+            raise ValueError(f"gluon_backward: config[{kind!r}] takes {', '.join(_KEYS)}; got {sorted(bad)}")
         bm, bn, st = over.get("BLOCK_M", bm), over.get("BLOCK_N", bn), over.get("NUM_STAGES", st)
+        pipe = over.get("PIPELINE", pipe)
+        if not isinstance(pipe, bool):
+            raise ValueError(f"gluon_backward: config[{kind!r}]['PIPELINE'] must be True or False, got {pipe!r}")
+        pipe = pipe and not (atomic and kind == "dkdv")           # atomic dQ waits for its GEMMs inside each tile
         acc_rows = bn if kind == "dkdv" else bm                  # the wgmma accumulators' rows: 16 per warp
         warps = over.get("num_warps", min(8, acc_rows // 16))
         for name, x in (("BLOCK_M", bm), ("BLOCK_N", bn)):
@@ -431,8 +566,9 @@ def _tiles(d, config=None, dq_mode=None):
             raise ValueError(f"gluon_backward: config[{kind!r}]: num_warps must be 4 or 8 and divide "
                              f"{'BLOCK_N' if kind == 'dkdv' else 'BLOCK_M'} = {acc_rows} into 16-row slices, "
                              f"got {warps}")
-        if not isinstance(st, int) or not 1 <= st <= 8:
-            raise ValueError(f"gluon_backward: config[{kind!r}]['NUM_STAGES'] must be 1..8, got {st!r}")
+        if not isinstance(st, int) or not 1 <= st <= 8 or (pipe and st < 2):
+            raise ValueError(f"gluon_backward: config[{kind!r}]['NUM_STAGES'] must be 1..8 (2..8 with PIPELINE), got "
+                             f"{st!r}")
         if atomic and kind == "dkdv" and bm < 64:
             raise ValueError(f"gluon_backward: dq_mode='atomic' needs config['dkdv']['BLOCK_M'] >= 64 (dQ's wgmma "
                              f"rows), got {bm}")
@@ -441,7 +577,7 @@ def _tiles(d, config=None, dq_mode=None):
             raise ValueError(f"gluon_backward: config[{kind!r}] = {bm}x{bn}, {st} stages needs {smem // 1024} KiB of "
                              f"shared memory at d = {d}{' with atomic dQ' if atomic and kind == 'dkdv' else ''}; "
                              f"sm_90 gives a CTA {SMEM_LIMIT // 1024} KiB")
-        out[kind] = (bm, bn, st, warps)
+        out[kind] = (bm, bn, st, warps, pipe)
     return out
 
 
@@ -519,23 +655,23 @@ def gluon_backward(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_
         return TensorDescriptor.from_tensor(x, [rows, d], gl.NVMMASharedLayout.get_default_for([rows, d], dt))
 
     dk, dv = torch.empty_like(k), torch.empty_like(v)                      # [B, Hkv, Nk, d]
-    bm, bn, st, warps = tiles["dkdv"]
+    bm, bn, st, warps, pipe = tiles["dkdv"]
     n_kb = triton.cdiv(Nk, bn)
     grid = (B * Hkv, n_kb) if causal else (n_kb, B * Hkv)
     dq_acc = torch.zeros((B * H * N, d), device=q.device, dtype=torch.float32) if atomic else None   # fp32 sums
     _bwd_dkdv[grid](desc(q2, bm), desc(k2, bn), desc(v2, bn), desc(do2, bm),
                     desc(dq_acc, bm, gl.float32) if atomic else None, lse2, delta, dk, dv, N, Nk, H // Hkv, diag,
                     qk_scale, sm_scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=st, CAUSAL=bool(causal),
-                    DQ_ATOMIC=atomic, num_warps=warps)
+                    DQ_ATOMIC=atomic, PIPELINE=pipe, num_warps=warps)
     if atomic:
         return dq_acc.view(B, H, N, d).to(q.dtype), dk, dv
     dq = torch.empty_like(q)                                               # [B, H, N, d]
-    bm, bn, st, warps = tiles["dq"]
+    bm, bn, st, warps, pipe = tiles["dq"]
     n_qb = triton.cdiv(N, bm)
     grid = (B * H, n_qb) if causal else (n_qb, B * H)                      # causal: _program_ids reads it backwards
     _bwd_dq[grid](desc(q2, bm), desc(k2, bn), desc(v2, bn), desc(do2, bm), lse2, delta, dq, N, Nk, H // Hkv, diag,
                   qk_scale, sm_scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=st, CAUSAL=bool(causal),
-                  num_warps=warps)
+                  PIPELINE=pipe, num_warps=warps)
     return dq, dk, dv
 
 
@@ -561,10 +697,11 @@ def compile_backward_for_sm90(d=128, dtype="bf16", causal=False, config=None, as
     for kind, kernel in (("dkdv", _bwd_dkdv), ("dq", _bwd_dq)):
         if kind == "dq" and atomic:
             continue
-        bm, bn, st, warps = _tiles(d, config, dq_mode)[kind]
+        bm, bn, st, warps, pipe = _tiles(d, config, dq_mode)[kind]
         desc = {rows: f"tensordesc<{dtype}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], el)!r}>"
                 for rows in (bm, bn)}
-        const = {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": st, "CAUSAL": bool(causal)}
+        const = {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": st, "CAUSAL": bool(causal),
+                 "PIPELINE": pipe}
         if kind == "dkdv":
             dq_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gl.float32)
             grads = {"dq_desc": f"tensordesc<fp32[{bm}, {d}],{dq_layout!r}>" if atomic else "constexpr"}
@@ -576,7 +713,8 @@ def compile_backward_for_sm90(d=128, dtype="bf16", causal=False, config=None, as
                "LSE2": "*fp32", "DELTA": "*fp32", **after, "N": "i32", "Nk": "i32", "group": "i32", "diag": "i32",
                "qk_scale": "fp32", "sm_scale": "fp32", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr",
                "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "CAUSAL": "constexpr",
-               **({"DQ_ATOMIC": "constexpr"} if kind == "dkdv" else {}), "num_warps": "constexpr"}
+               **({"DQ_ATOMIC": "constexpr"} if kind == "dkdv" else {}), "PIPELINE": "constexpr",
+               "num_warps": "constexpr"}
         const["num_warps"] = warps
         src = GluonASTSource(kernel, sig, const)
         out[kind] = triton.compile(src, target=target, options={"num_warps": warps}).asm[asm]
