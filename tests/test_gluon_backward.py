@@ -179,3 +179,58 @@ def test_selftest_harness_passes_exact_gradients_and_fails_wrong_ones(monkeypatc
     res = G.gluon_backward_selftest(shapes=cases, dims=(16,), dtypes=(torch.bfloat16,), device="cpu",
                                     dq_modes=["separate"])
     assert not res["ok"] and all(not r["ok"] and r["dq_ok"] and r["dk_ok"] and not r["dv_ok"] for r in res["rows"])
+
+
+# ------------------------------------------------------------------ the host path up to the launches, on the CPU
+@pytest.mark.parametrize("causal, mode", [(False, "separate"), (True, "separate"), (True, "atomic")])
+def test_host_path_binds_every_kernel_argument(monkeypatch, causal, mode):
+    """gluon_backward's launches, with the kernels replaced by recorders and the device check skipped (CPU tensors):
+    every parameter of each kernel is bound exactly once, the grids are the documented ones (causal: heaviest
+    first), the TMA descriptors' boxes are the tiles, and atomic dQ launches no dQ kernel and returns the cast of a
+    zeroed fp32 buffer."""
+    import inspect
+
+    import torch
+    from helpers.kernels import backward
+    G = _module()
+    calls = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                bound = inspect.signature(self.fn).bind(*args, **kwargs)      # TypeError: missing or extra
+                calls.append((self.fn.__name__, grid, bound.arguments))
+            return launch
+
+    monkeypatch.setattr(G, "_check_backward_inputs", lambda *a: None)
+    for mod, name in ((G, "_bwd_dkdv"), (G, "_bwd_dq"), (backward, "_bwd_preprocess")):
+        monkeypatch.setattr(mod, name, Recorder(getattr(mod, name).fn))
+    B, H, Hkv, N, Nk, d = 2, 8, 2, 1000, 300, 128
+    bf = dict(dtype=torch.bfloat16)
+    q, o, do = (torch.zeros(B, H, N, d, **bf) for _ in range(3))
+    k, v = (torch.zeros(B, Hkv, Nk, d, **bf) for _ in range(2))
+    dq, dk, dv = G.gluon_backward(do, q, k, v, o, torch.zeros(B, H, N), causal=causal, align="bottom_right",
+                                  dq_mode=mode)
+    assert dq.shape == q.shape and dq.dtype == q.dtype and dk.shape == dv.shape == k.shape
+    names = [c[0] for c in calls]
+    assert names == ["_bwd_preprocess", "_bwd_dkdv"] + (["_bwd_dq"] if mode == "separate" else [])
+    tiles = G._tiles(d, dq_mode=mode)
+    _, grid, a = calls[1]
+    bm, bn, st, warps, pipe = tiles["dkdv"]
+    assert grid == ((B * Hkv, 3) if causal else (3, B * Hkv))                 # cdiv(300, 128) key blocks
+    assert (a["BLOCK_M"], a["BLOCK_N"], a["NUM_STAGES"], a["num_warps"], a["PIPELINE"]) == (bm, bn, st, warps, pipe)
+    assert (a["N"], a["Nk"], a["group"], a["diag"], a["CAUSAL"]) == (N, Nk, 4, Nk - N if causal else 0, causal)
+    assert a["q_desc"].block_shape == [bm, d] and a["k_desc"].block_shape == [bn, d]
+    assert a["q_desc"].shape == (B * H * N, d) and a["k_desc"].shape == (B * Hkv * Nk, d)
+    assert a["DQ_ATOMIC"] == (mode == "atomic") and (a["dq_desc"] is None) == (mode == "separate")
+    if mode == "atomic":
+        assert a["dq_desc"].block_shape == [bm, d] and a["dq_desc"].shape == (B * H * N, d)
+        assert torch.equal(dq, torch.zeros_like(q))                          # nothing added: the kernel is a stub
+    else:
+        _, grid, a = calls[2]
+        bm, bn, st, warps, pipe = tiles["dq"]
+        assert grid == ((B * H, 8) if causal else (8, B * H))                 # cdiv(1000, 128) query blocks
+        assert a["q_desc"].block_shape == [bm, d] and a["k_desc"].block_shape == [bn, d] and a["PIPELINE"] == pipe

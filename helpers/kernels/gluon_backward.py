@@ -238,7 +238,9 @@ def _dkdv_tiles_deferred(t_lo, t_hi, t_head, i_lo, n_q, n_tiles, q_row0, l_row, 
     return dk, dv, dsT_op
 
 
-@gluon.jit
+# N, Nk, group and diag are not specialised on (Triton would compile a kernel per "== 1" and "% 16 == 0" of each):
+# every address the kernels form from them goes through the TMA or a masked load of a few floats.
+@gluon.jit(do_not_specialize=["N", "Nk", "group", "diag"])
 def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE2, DELTA, DK, DV, N, Nk, group, diag, qk_scale, sm_scale,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr):
@@ -432,7 +434,7 @@ def _dq_tiles_deferred(lo, hi, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_
     return dq, ds_op
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["N", "Nk", "group", "diag"])
 def _bwd_dq(q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ, N, Nk, group, diag, qk_scale, sm_scale,
             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
             CAUSAL: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr):
