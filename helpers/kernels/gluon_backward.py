@@ -725,18 +725,28 @@ def compile_backward_for_sm90(d=128, dtype="bf16", causal=False, config=None, as
 
 # ------------------------------------------------------------------ the self-test (an sm_90 GPU)
 def _grads_reference(q, k, v, do, causal, align):
-    """float64 autograd (O, lse, dq, dk, dv) through ``helpers.reference.attention_grads`` on k, v repeated to H
-    heads (dk, dv summed back over each group), with the causal mask of ``align``; a row that sees no key has O = 0,
-    lse = -inf and zero gradients."""
+    """float64 (O, lse, dq, dk, dv) by torch.autograd: q [B, H, N, d], k, v [B, Hkv, Nk, d] repeated to H heads in
+    the graph (so dk, dv sum over each group), scale 1/sqrt(d), the causal mask of ``align``
+    (``helpers.reference.causal_mask``). A row that sees no key gets O = 0, lse = -inf and zero gradients: its
+    scores are left unmasked and its P multiplied by 0, so no -inf - (-inf) reaches the graph, whatever SDPA's
+    convention for such rows."""
+    import torch
     from .. import reference
     B, H, N, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    g = H // Hkv
-    mask = reference.causal_mask(N, Nk, align, device=q.device) if causal else None     # [N, Nk] True: attend
-    kr, vr = (x.repeat_interleave(g, 1) for x in (k, v))         # [B, H, Nk, d]
-    o, lse, dq, dk, dv = reference.attention_grads(q, kr, vr, do, mask=mask)
-    dk, dv = (x.view(B, Hkv, g, Nk, d).sum(2) for x in (dk, dv))  # [B, Hkv, Nk, d]
-    return o, lse, dq, dk, dv
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    kr, vr = (x.repeat_interleave(H // Hkv, 1) for x in (k64, v64))          # [B, H, Nk, d]
+    s = (q64 @ kr.transpose(-1, -2)) / math.sqrt(d)                           # [B, H, N, Nk]
+    seen = torch.ones(N, dtype=torch.bool, device=q.device)
+    if causal:
+        keep = reference.causal_mask(N, Nk, align, device=q.device)           # [N, Nk] True: attend
+        seen = keep.any(-1)                                                    # [N]
+        s = s.masked_fill(~(keep | ~seen[:, None]), float("-inf"))
+    p = torch.softmax(s, -1) * seen[:, None]                                   # [B, H, N, Nk]
+    o = p @ vr                                                                 # [B, H, N, d]
+    o.backward(do.double())
+    lse = torch.logsumexp(s.detach(), -1).masked_fill(~seen, float("-inf"))   # [B, H, N]
+    return o.detach(), lse, q64.grad, k64.grad, v64.grad
 
 
 def _sdpa_grads(q, k, v, do, causal, align):
