@@ -65,10 +65,10 @@ block (seen by the most rows) goes in the first wave; dQ launches (B·H, query b
 Tiles (``BLOCKS``, ``config=`` overrides them for a sweep) and their shared memory are listed at ``BLOCKS``.
 
 Measured: nothing yet. Every kernel compiles for sm_90 (Triton 3.6 and 3.9; ``compile_backward_for_sm90``) and has
-not yet run natively: no claim about its correctness or speed on a GPU is made here. ptxas (Triton 3.6's, sm_90a)
-reports for the dK/dV kernel at d = 128 the full 255 registers a thread, with no spills non-causal and ~24 bytes
-causal; with atomic dQ ~0.35 KiB of spill stores a thread; at d = 64 about 200 registers, no spills; the dQ kernel
-120-180 registers, no spills. On an sm_90 GPU: ``python -m helpers.kernels.gluon_backward`` runs
+not yet run natively: no claim about its correctness or speed on a GPU is made here. ptxas (Triton 3.6's, sm_90a, the
+default tiles) reports for the dK/dV kernel at d = 128 the full 255 registers a thread, with no spills non-causal and
+24 bytes causal, and ~0.35 KiB of spill stores with atomic dQ; at d = 64 190-230 registers, no spills; the dQ kernel
+140-190 registers, no spills. On an sm_90 GPU: ``python -m helpers.kernels.gluon_backward`` runs
 ``gluon_backward_selftest()`` (harsh cases against float64 autograd, both dQ modes, one line each, exit code 0/1);
 ``bench/bench_gluon.py --bwd`` times it. ``gluon_backward`` checks its inputs on the host first (TypeError/ValueError;
 a CPU tensor: "needs an sm_90 GPU"). Nothing here runs under Triton's interpreter.
