@@ -103,6 +103,7 @@ else:                                                            # Triton 3.6: i
         _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                   src.handle)
 
+
 # Tiles per head dim: {"dkdv": (BLOCK_M queries, BLOCK_N keys, NUM_STAGES, PIPELINE), "dkdv_atomic": (the same with
 # dq_mode="atomic"), "dq": (BLOCK_M, BLOCK_N, NUM_STAGES, PIPELINE)}; num_warps = (dK/dV) BLOCK_N // 16, (dQ)
 # BLOCK_M // 16: one warp per 16 rows of the wgmma accumulator. PIPELINE: a tile's last GEMM left in flight into the
@@ -629,8 +630,8 @@ def gluon_backward(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_
     0). bf16 or fp16, d = 64 or 128. ``causal``, ``align``, ``sm_scale`` as in the forward. ``dq_mode``
     (``DQ_MODES``): "separate" (a dQ kernel; deterministic) or "atomic" (from the dK/dV kernel by the TMA's fp32
     reduce-add); None = ``DEFAULT_DQ_MODE``. ``config``: tile overrides for a sweep, {"dkdv": {"BLOCK_M", "BLOCK_N",
-    "NUM_STAGES", "num_warps"}, "dq": {...}} (any subset; ``BLOCKS`` otherwise). Raises TypeError or ValueError,
-    before any GPU work, for inputs it cannot take."""
+    "NUM_STAGES", "num_warps", "PIPELINE"}, "dq": {...}} (any subset; ``BLOCKS`` otherwise; ``_tiles`` checks it).
+    Raises TypeError or ValueError, before any GPU work, for inputs it cannot take."""
     import torch
     atomic = _dq_mode(dq_mode) == "atomic"
     _check_backward_inputs(do, q, k, v, o, lse, causal, sm_scale, align)
