@@ -182,3 +182,58 @@ def test_bench_masks_writes_each_mask_twice_alike():
             assert spec.kind == "window" and (spec.left, spec.right) == (w[0], 0) and route["causal"], name
             assert (("softcap" in route) == isinstance(mod, bs.SoftCap)
                     and ("alibi_slopes" in route) == isinstance(mod, bs.ALiBi)), name
+
+
+# ----------------------------------------------------------------------------- bench_gluon.py --bwd (no GPU needed)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without CUDA")
+def test_bench_gluon_bwd_parses_its_options_and_needs_hopper():
+    bench = _load("bench_gluon")
+    with pytest.raises(SystemExit, match="needs an sm_90 GPU"):
+        bench.main(["--bwd", "--N", "16384", "--dtype", "bfloat16", "--causal", "--group", "1", "4",
+                    "--bwd-config", '{"dkdv": {"NUM_STAGES": 3}}'])
+    with pytest.raises(SystemExit, match="--bwd-config needs --bwd"):
+        bench.main(["--bwd-config", "{}"])
+    with pytest.raises(SystemExit) as e:                                  # not JSON: argparse's usage error
+        bench.main(["--bwd", "--bwd-config", "{dkdv: 3}"])
+    assert e.value.code == 2
+
+
+def test_bench_gluon_bwd_reference_is_float64_autograd_in_row_chunks():
+    """ref_group_grads (the --bwd check's float64 gradients, by formula, a few rows at a time) equals torch.autograd
+    on K, V repeated over the group, causal or not."""
+    from helpers import reference
+    bench = _load("bench_gluon")
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, N, d = 2, 4, 2, 37, 16
+    q, do = (torch.randn(B, H, N, d, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, N, d, generator=g) for _ in range(2))
+    for causal in (False, True):
+        mask = reference.causal_mask(N, N, "top_left") if causal else None
+        kr, vr = (x.repeat_interleave(2, 1) for x in (k, v))
+        _, _, dq, dk, dv = reference.attention_grads(q, kr, vr, do, mask=mask)
+        for b, kh in ((0, 0), (1, 1)):
+            mine = bench.ref_group_grads(q, k, v, do, causal, b, kh, chunk=8)
+            hs = slice(2 * kh, 2 * kh + 2)
+            for m, r in zip(mine, (dq[b, hs], dk[b, hs].sum(0), dv[b, hs].sum(0))):
+                assert torch.allclose(m, r, atol=1e-10), (causal, b, kh)
+
+
+def test_bench_gluon_bwd_check_passes_sdpa_itself_and_rejects_an_offset():
+    bench = _load("bench_gluon")
+    g = torch.Generator().manual_seed(1)
+    q, do = (torch.randn(1, 4, 32, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 2, 32, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    for causal in (False, True):
+        a = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        torch.nn.functional.scaled_dot_product_attention(a[0], a[1].repeat_interleave(2, 1),
+                                                         a[2].repeat_interleave(2, 1), is_causal=causal).backward(do)
+        grads = [t.grad for t in a]
+        chk = bench.check_backward(q, k, v, do, causal, grads)
+        assert chk["pass"] and set(chk["grad_err"]) == {"dq", "dk", "dv"}, chk
+        for i in range(3):
+            bad = [x + 0.05 if j == i else x for j, x in enumerate(grads)]
+            assert not bench.check_backward(q, k, v, do, causal, bad)["pass"], (causal, i)
+        nan = [grads[0], grads[1], grads[2].clone().fill_(float("nan"))]
+        assert not bench.check_backward(q, k, v, do, causal, nan)["pass"]

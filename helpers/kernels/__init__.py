@@ -13,6 +13,9 @@ interpreter without a GPU).
 * ``gluon_forward``: ``gluon_forward`` — lesson 11's forward in Gluon for Hopper (sm_90 only: TMA, mbarriers,
   ``warpgroup_mma``), non-causal; variants with one partition, a producer warp, and two consumer warpgroups with
   FA3's intra-warpgroup overlap and ping-pong. No interpreter: compile-only without an H100/H200.
+* ``gluon_backward``: ``gluon_backward`` — the backward in Gluon for Hopper (a dK/dV kernel over TMA-fed query tiles,
+  dQ in its own kernel or by the TMA's fp32 reduce-add), GQA, both causal alignments. Compile-only without an
+  H100/H200; not yet run natively.
 * ``common``: what they share: ``LOG2E``/``LN2``, the input checks, the tile configurations and what fits a GPU.
 
 Import from the family's module (``from helpers.kernels.forward import flash_attn_triton``); this file imports
