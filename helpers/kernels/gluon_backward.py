@@ -247,12 +247,10 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE2, DELTA, DK, DV, N, 
               CAUSAL: gl.constexpr, DQ_ATOMIC: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     DEFER: gl.constexpr = PIPELINE and not DQ_ATOMIC             # atomic dQ waits for its GEMM inside the tile
-    if CAUSAL:                                                   # grid (B*Hkv, key blocks): block 0 of every head first
-        off_bkv = gl.program_id(0)
-        start_n = gl.program_id(1) * BLOCK_N
-    else:                                                        # grid (key blocks, B*Hkv)
-        start_n = gl.program_id(0) * BLOCK_N
-        off_bkv = gl.program_id(1)
+    # grid (key blocks, B*Hkv): the CTAs side by side are one KV head's, reading the same Q and dO (L2 hits, as in
+    # the forward's _program_ids); causal, key block 0 sees the most query rows and launches first
+    start_n = gl.program_id(0) * BLOCK_N
+    off_bkv = gl.program_id(1)
     kv_row = off_bkv * Nk + start_n                              # first key of this block in k viewed [B*Hkv*Nk, d]
     q_row0 = off_bkv * group * N                                 # row 0 of the group's first query head [B*H*N, d]
 
@@ -660,7 +658,7 @@ def gluon_backward(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_
     dk, dv = torch.empty_like(k), torch.empty_like(v)                      # [B, Hkv, Nk, d]
     bm, bn, st, warps, pipe = tiles["dkdv"]
     n_kb = triton.cdiv(Nk, bn)
-    grid = (B * Hkv, n_kb) if causal else (n_kb, B * Hkv)
+    grid = (n_kb, B * Hkv)
     dq_acc = torch.zeros((B * H * N, d), device=q.device, dtype=torch.float32) if atomic else None   # fp32 sums
     _bwd_dkdv[grid](desc(q2, bm), desc(k2, bn), desc(v2, bn), desc(do2, bm),
                     desc(dq_acc, bm, gl.float32) if atomic else None, lse2, delta, dk, dv, N, Nk, H // Hkv, diag,
@@ -671,7 +669,7 @@ def gluon_backward(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_
     dq = torch.empty_like(q)                                               # [B, H, N, d]
     bm, bn, st, warps, pipe = tiles["dq"]
     n_qb = triton.cdiv(N, bm)
-    grid = (B * H, n_qb) if causal else (n_qb, B * H)                      # causal: _program_ids reads it backwards
+    grid = (n_qb, B * H)                                                  # causal: _program_ids reads it backwards
     _bwd_dq[grid](desc(q2, bm), desc(k2, bn), desc(v2, bn), desc(do2, bm), lse2, delta, dq, N, Nk, H // Hkv, diag,
                   qk_scale, sm_scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=st, CAUSAL=bool(causal),
                   PIPELINE=pipe, num_warps=warps)
