@@ -93,10 +93,10 @@ def run_prefill(quick, save=None):
         flops = 4 * B * H * N * N * d / (2 if causal else 1)
         row = {"dtype": dtype, "d": d, "causal": causal, "N": N, "B": B, "H": H}
         try:
-            o, lse = flash_attn_triton(q, k, v, causal=causal)
+            o, lse = flash_attn_triton(q, k, v, causal=causal, backend="triton")
             row.update(check_prefill(q, k, v, causal, o, lse))
             del o, lse
-            ms = bench_ms(lambda: flash_attn_triton(q, k, v, causal=causal))
+            ms = bench_ms(lambda: flash_attn_triton(q, k, v, causal=causal, backend="triton"))
             row["triton_tflops"] = round(flops / ms / 1e9, 1)
             cfg = getattr(kf._attn_fwd_tuned, "best_config", None)
             row["config"] = str(cfg) if cfg is not None else None

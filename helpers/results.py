@@ -22,6 +22,7 @@ __all__ = ["RESULTS", "TRAINING", "RING", "load_json", "load_results", "load_tra
            "results_label", "section_rows", "plot_tflops", "geomean", "geomean_ratio", "fmt", "decode_rows", "prefill_table",
            "decode_table", "backward_table", "gpu_results_table", "NOT_MEASURED", "serving_results",
            "serving_tables", "GLUON", "GLUON_FA3", "GLUON_VARIANTS", "load_gluon", "gluon_label", "gluon_ratios",
+           "GLUON_FORWARD", "GLUON_BACKWARD", "gluon_targets", "gluon_targets_table",
            "gluon_table", "plot_gluon"]
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
@@ -30,6 +31,8 @@ TRAINING = RESULTS_DIR / "train_gpt.json"
 RING = RESULTS_DIR / "ring_h200x2.json"
 GLUON = RESULTS_DIR / "gluon_h200.json"
 GLUON_FA3 = RESULTS_DIR / "gluon_h200_variants.json"  # FA3's overlap and ping-pong variants, N = 16384
+GLUON_FORWARD = RESULTS_DIR / "gluon_forward_h200.json"    # issue 26's forward target: variant "auto" vs SDPA
+GLUON_BACKWARD = RESULTS_DIR / "gluon_backward_h200.json"  # issue 26's backward target: gluon_backward vs SDPA
 
 
 def load_json(path):
@@ -320,6 +323,57 @@ def gluon_table(res) -> str:
     for (var, peer), (gm, lo, hi) in gluon_ratios(res).items():
         lines.append(f"  {GLUON_VARIANTS[var]} / {peer.replace('sdpa_', 'SDPA ')}: geomean {gm:.2f}x "
                      f"({lo:.2f}-{hi:.2f}x over {len(rows)} rows)")
+    return "\n".join(lines)
+
+
+def gluon_targets(fwd=None, bwd=None) -> dict:
+    """Issue 26's two figures from their records (``GLUON_FORWARD``, ``GLUON_BACKWARD``): ``{"forward": ...,
+    "backward": ...}``, each ``{"rows", "vs_cudnn": (geomean, lowest, highest), "below": rows under cuDNN, "vs_flash"
+    (geomean), "vs_triton" (backward only: the course's Triton backward, geomean)}``, or None where not recorded. The
+    forward's kernel is ``gluon_auto``, the backward's ``gluon`` (dq_mode "separate", the default)."""
+    fwd = load_json(GLUON_FORWARD) if fwd is None else fwd
+    bwd = load_json(GLUON_BACKWARD) if bwd is None else bwd
+    out = {}
+    for name, res, key in (("forward", fwd, "gluon_auto"), ("backward", bwd, "gluon")):
+        rows = [r for r in (res or {}).get("rows", []) if r.get(f"{key}_tflops") and r.get("sdpa_cudnn_tflops")]
+        if not rows:
+            out[name] = None
+            continue
+        xs = [r[f"{key}_tflops"] / r["sdpa_cudnn_tflops"] for r in rows]
+        fig = {"rows": len(rows), "vs_cudnn": (geomean(xs), min(xs), max(xs)), "below": sum(x < 1 for x in xs),
+               "vs_flash": geomean([r[f"{key}_tflops"] / r["sdpa_flash_tflops"] for r in rows]), "meta": res["meta"]}
+        if name == "backward":
+            fig["vs_triton"] = geomean([r[f"{key}_tflops"] / r["triton_tflops"] for r in rows])
+        out[name] = fig
+    return out
+
+
+def gluon_targets_table(fwd=None, bwd=None) -> str:
+    """The forward and backward records side by side, TFLOP/s per row (the Gluon kernel, SDPA cuDNN, the ratio),
+    then each direction's geomean against cuDNN and flash; labelled with the GPU, versions, date and statistic."""
+    fwd = load_json(GLUON_FORWARD) if fwd is None else fwd
+    bwd = load_json(GLUON_BACKWARD) if bwd is None else bwd
+    if not fwd or not bwd:
+        return f"Gluon forward and backward: {NOT_MEASURED}"
+    key = lambda r: (r["dtype"], r["d"], r["N"], r["causal"])  # noqa: E731
+    back = {key(r): r for r in bwd["rows"]}
+    lines = [f"Gluon kernels on {results_label(fwd['meta'])} · {fwd['meta'].get('timing', '')}",
+             "TFLOP/s: forward 4·B·H·N²·d, backward 2.5× that, causal half; forward = variant 'auto', "
+             "backward = dq_mode 'separate'",
+             f"{'dtype':>8} {'d':>4} {'N':>6} {'causal':>6} | {'fwd':>6} {'cudnn':>6} {'ratio':>6} | "
+             f"{'bwd':>6} {'cudnn':>6} {'ratio':>6}"]
+    for r in sorted(fwd["rows"], key=key):
+        b = back.get(key(r), {})
+        lines.append(f"{r['dtype']:>8} {r['d']:>4} {r['N']:>6} {str(r['causal']):>6} | "
+                     f"{_f(r.get('gluon_auto_tflops')):>6} {_f(r.get('sdpa_cudnn_tflops')):>6} "
+                     f"{_ratio(r.get('gluon_auto_tflops'), r.get('sdpa_cudnn_tflops')):>6} | "
+                     f"{_f(b.get('gluon_tflops')):>6} {_f(b.get('sdpa_cudnn_tflops')):>6} "
+                     f"{_ratio(b.get('gluon_tflops'), b.get('sdpa_cudnn_tflops')):>6}")
+    for name, fig in gluon_targets(fwd, bwd).items():
+        if fig:
+            gm, lo, hi = fig["vs_cudnn"]
+            lines.append(f"  {name}: {gm:.2f}x cuDNN in geomean ({lo:.2f}-{hi:.2f}x, {fig['below']} of {fig['rows']} "
+                         f"rows below 1), {fig['vs_flash']:.2f}x SDPA flash")
     return "\n".join(lines)
 
 

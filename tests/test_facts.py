@@ -588,3 +588,33 @@ def test_lesson11_causal_gqa_figures_match_their_record():
                      f"ran at {span(tf('gluon_pp128', 128), 0)} TFLOP/s there, about half of `pp`'s {span(tf('gluon_pp', 128), 0)}",
                      f"it ran at {span(tf('gluon_pp128', 64), 0)} TFLOP/s against `pp`'s {span(tf('gluon_pp', 64), 0)}"):
         assert sentence in text, f"lesson 11 should say: {sentence}"
+
+
+def test_lesson11_gluon_targets_match_their_records():
+    """Lesson 11's paragraph on the routed forward and the Gluon backward carries gluon_forward_h200.json's and
+    gluon_backward_h200.json's figures (recomputed from their rows by helpers.results.gluon_targets)."""
+    import json
+    from conftest import ROOT
+    from helpers import results
+    t = results.gluon_targets()
+    fwd, bwd = t["forward"], t["backward"]
+    assert fwd["rows"] == 16 and bwd["rows"] == 16
+    rows_f = json.loads((ROOT / "bench" / "results" / "gluon_forward_h200.json").read_text())["rows"]
+    rows_b = json.loads((ROOT / "bench" / "results" / "gluon_backward_h200.json").read_text())["rows"]
+    assert all(r["gluon_auto_pass"] for r in rows_f) and all(r["gluon_pass"] and r["gluon_atomic_pass"] for r in rows_b)
+    short = [r["gluon_auto_tflops"] / r["sdpa_cudnn_tflops"] for r in rows_f
+             if r["causal"] and r["d"] == 64 and r["N"] == 4096]
+    atomic = results.geomean([r["gluon_atomic_tflops"] / r["sdpa_cudnn_tflops"] for r in rows_b])
+    ahead128 = all(r["gluon_tflops"] > r["triton_tflops"] for r in rows_b if r["d"] == 128)
+    behind64 = all(r["gluon_tflops"] < r["triton_tflops"] for r in rows_b if r["d"] == 64)
+    assert ahead128 and behind64                                   # "ahead of it at d = 128, behind at d = 64"
+    span = lambda lo_hi: f"{lo_hi[0]:.2f}–{lo_hi[1]:.2f}×"  # noqa: E731
+    text = _flat(_markdown("11_hopper_fa3"))
+    for sentence in (
+            f"runs at {fwd['vs_cudnn'][0]:.2f}× cuDNN in geometric mean over the 16 rows "
+            f"({span(fwd['vs_cudnn'][1:])}; {fwd['below']} of 16 below it) and {fwd['vs_flash']:.2f}× SDPA's flash",
+            f"(N = 4096: {span((min(short), max(short)))})",
+            f"{bwd['vs_cudnn'][0]:.2f}× cuDNN in geometric mean ({span(bwd['vs_cudnn'][1:])}) and "
+            f"{bwd['vs_triton']:.2f}× the course's Triton backward",
+            f"The atomic variant ran at {atomic:.2f}× cuDNN"):
+        assert sentence in text, f"lesson 11 should say: {sentence}"
