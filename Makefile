@@ -111,7 +111,11 @@ bench:  ## time the kernels (forward, varlen, decode, paged decode, backward wit
 	if $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -c 'import torch, sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))'; then \
 	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --variant one ws overlap pp && \
 	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --variant one pp pp128 --N 16384 \
-	    --dtype bfloat16 --causal --group 1 4 --out bench/results/gluon_h200_causal.json; fi
+	    --dtype bfloat16 --causal --group 1 4 --out bench/results/gluon_h200_causal.json && \
+	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --variant auto --N 4096 16384 --causal \
+	    --out bench/results/gluon_forward_h200.json && \
+	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --bwd --N 4096 16384 --causal \
+	    --out bench/results/gluon_backward_h200.json; fi
 
 clean:  ## remove caches (keeps .venv/)
 	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache

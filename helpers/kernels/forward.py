@@ -347,6 +347,10 @@ def _check_mods(causal, window_size, softcap, alibi_slopes, H, batch, device, ba
 
 
 BACKENDS = ("auto", "triton", "gluon")
+# (d, causal) where backend="auto" takes the Gluon forward: where it was faster than this file's kernel on an H200
+# (bf16 and fp16, N 4096 and 16384, 2026-12-01, bench/NOTES.md: 1.06-1.22x). Not d = 64 causal: 0.98-1.04x at
+# N >= 4096, and at N = 2048 (the GPT of bench/train_gpt.py, B = 16, H = 12) 0.349 ms against 0.302.
+GLUON_ROUTES = {(64, False), (128, False), (128, True)}
 
 
 def _why_not_gluon(q, mods, use_tma, config):
@@ -406,9 +410,9 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
     as None to autotune.
 
     backend: "auto" runs lesson 11's Gluon forward (``gluon_forward(..., variant="auto")``) where it can take the
-    call, an sm_90 GPU with bf16/fp16, d = 64 or 128, full or causal attention and no window, softcap, ALiBi,
-    ``use_tma`` or ``config``, since there it was faster (bench/NOTES.md); the Triton kernel everywhere else.
-    "triton" always runs the Triton kernel; "gluon" the Gluon one, or a ValueError that says why it cannot.
+    call and was measured faster (``GLUON_ROUTES``): an sm_90 GPU with bf16/fp16, d = 128 full or causal or d = 64
+    full, and no window, softcap, ALiBi, ``use_tma`` or ``config``; the Triton kernel everywhere else. "triton"
+    always runs the Triton kernel; "gluon" the Gluon one, or a ValueError that says why it does not.
     """
     _check_qkv(q, k, v, (4, 4, 4))
     B, H, N, d = q.shape
@@ -427,7 +431,7 @@ def flash_attn_triton(q, k, v, causal=False, sm_scale=None, align="top_left", *,
         why = _why_not_gluon(q, mods, use_tma, config)
         if backend == "gluon" and why:
             raise ValueError(f"backend='gluon': {why}")
-        if not why:
+        if not why and (backend == "gluon" or (d, mods.right == 0) in GLUON_ROUTES):
             from .gluon_forward import gluon_forward
             return gluon_forward(q, k, v, sm_scale=float(sm_scale), variant="auto", causal=mods.right == 0,
                                  align=align)
