@@ -125,6 +125,21 @@ SMEM_LIMIT = 227 * 1024      # bytes of shared memory one CTA may use on sm_90
 
 # ------------------------------------------------------------------ dK, dV: KV outer, query tiles streamed
 @gluon.jit
+def _probs(s, lse2, keys, rows, Nk, diag, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """P = exp2(s * qk_scale - lse2) of a score tile s, unscaled, in either orientation: keys and rows broadcast
+    against it ([BLOCK_N, 1] and [1, BLOCK_M] for S^T, the other way round for S), lse2 too. With MASK, key c of row
+    r counts when c < Nk and (causal) c <= r + diag; the others get P = 0 (keys past Nk: the next head's, or the
+    TMA's zeros). Rows past N need no mask: their lse2 is +inf."""
+    p = gl.exp2(s * qk_scale - lse2)
+    if MASK:
+        keep = keys < Nk
+        if CAUSAL:
+            keep = keep & (keys <= rows + diag)
+        p = gl.where(keep, p, 0.0)
+    return p
+
+
+@gluon.jit
 def _dkdv_tiles(t_lo, t_hi, t_head, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v_smem, q_smem, do_smem, full,
                 q_desc, do_desc, LSE2, DELTA, dk, dv, sT_zero, offs_key, offs_col, N, Nk, diag, qk_scale, sm_scale,
                 ds_smem, dq_smem, dq_desc, dq_zero, op_layout: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -150,12 +165,7 @@ def _dkdv_tiles(t_lo, t_hi, t_head, i_lo, n_q, n_tiles, q_row0, l_row, k_smem, v
         sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), sT_zero, use_acc=False, is_async=True)    # K Q^T
         dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), sT_zero, use_acc=False, is_async=True)  # V dO^T
         sT = warpgroup_mma_wait(1, deps=(sT,))                   # S^T done; dP^T may still run
-        pT = gl.exp2(sT * qk_scale - lse2[None, :])              # [BLOCK_N, BLOCK_M] P^T
-        if MASK:
-            keep = (offs_key < Nk)[:, None]                      # keys past Nk: the next head's, or TMA's zeros
-            if CAUSAL:
-                keep = keep & (offs_key[:, None] <= rows[None, :] + diag)    # [BLOCK_N, BLOCK_M]
-            pT = gl.where(keep, pT, 0.0)
+        pT = _probs(sT, lse2[None, :], offs_key[:, None], rows[None, :], Nk, diag, qk_scale, MASK, CAUSAL)   # P^T
         pT_op = gl.convert_layout(pT.to(dtype), op_layout)       # P^T as wgmma's A operand
         dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)    # dV += P^T dO     [BLOCK_N, HEAD_DIM]
         dpT = warpgroup_mma_wait(1, deps=(dpT,))                 # dP^T done; dV may still run
@@ -223,12 +233,7 @@ def _dkdv_tiles_deferred(t_lo, t_hi, t_head, i_lo, n_q, n_tiles, q_row0, l_row, 
                 mbarrier.expect(full.index(sp), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                 _tma_load(q_desc, [row, 0], full.index(sp), q_smem.index(sp))
                 _tma_load(do_desc, [row, 0], full.index(sp), do_smem.index(sp))
-        pT = gl.exp2(sT * qk_scale - lse2[None, :])              # [BLOCK_N, BLOCK_M] P^T
-        if MASK:
-            keep = (offs_key < Nk)[:, None]                      # keys past Nk: the next head's, or TMA's zeros
-            if CAUSAL:
-                keep = keep & (offs_key[:, None] <= rows[None, :] + diag)    # [BLOCK_N, BLOCK_M]
-            pT = gl.where(keep, pT, 0.0)
+        pT = _probs(sT, lse2[None, :], offs_key[:, None], rows[None, :], Nk, diag, qk_scale, MASK, CAUSAL)   # P^T
         pT_op = gl.convert_layout(pT.to(dtype), op_layout)       # P^T as wgmma's A operand
         dv = warpgroup_mma(pT_op, do_tile, dv, is_async=True)    # dV += P^T dO     [BLOCK_N, HEAD_DIM]
         dpT = warpgroup_mma_wait(1, deps=(dpT,))                 # dP^T done; dV may still run
@@ -378,13 +383,8 @@ def _dq_tiles(lo, hi, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_desc, kv_
         qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)   # Q K^T
         dp = warpgroup_mma(do_smem, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # dO V^T
         qk = warpgroup_mma_wait(1, deps=(qk,))                   # S done; dP may still run
-        p = gl.exp2(qk * qk_scale - lse2[:, None])               # [BLOCK_M, BLOCK_N]
-        if MASK:
-            cols = j * BLOCK_N + offs_n                          # [BLOCK_N] key indices
-            keep = (cols < Nk)[None, :]                          # keys past Nk: the next head's, or TMA's zeros
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)     # [BLOCK_M, BLOCK_N]
-            p = gl.where(keep, p, 0.0)
+        p = _probs(qk, lse2[:, None], (j * BLOCK_N + offs_n)[None, :], offs_m[:, None], Nk, diag, qk_scale, MASK,
+                   CAUSAL)                                       # [BLOCK_M, BLOCK_N]
         dp = warpgroup_mma_wait(0, deps=(dp,))
         ds = p * (dp - delta[:, None])                           # [BLOCK_M, BLOCK_N] dS
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_tile, dq)   # += dS K; synchronous
@@ -419,13 +419,8 @@ def _dq_tiles_deferred(lo, hi, q_smem, do_smem, k_smem, v_smem, full, k_desc, v_
                 mbarrier.expect(full.index(sp), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
                 _tma_load(k_desc, [kv_row + prv * BLOCK_N, 0], full.index(sp), k_smem.index(sp))
                 _tma_load(v_desc, [kv_row + prv * BLOCK_N, 0], full.index(sp), v_smem.index(sp))
-        p = gl.exp2(qk * qk_scale - lse2[:, None])               # [BLOCK_M, BLOCK_N]
-        if MASK:
-            cols = j * BLOCK_N + offs_n                          # [BLOCK_N] key indices
-            keep = (cols < Nk)[None, :]                          # keys past Nk: the next head's, or TMA's zeros
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)     # [BLOCK_M, BLOCK_N]
-            p = gl.where(keep, p, 0.0)
+        p = _probs(qk, lse2[:, None], (j * BLOCK_N + offs_n)[None, :], offs_m[:, None], Nk, diag, qk_scale, MASK,
+                   CAUSAL)                                       # [BLOCK_M, BLOCK_N]
         dp = warpgroup_mma_wait(0, deps=(dp,))
         ds = p * (dp - delta[:, None])                           # [BLOCK_M, BLOCK_N] dS
         ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
