@@ -348,7 +348,7 @@ def _check_mods(causal, window_size, softcap, alibi_slopes, H, batch, device, ba
 
 BACKENDS = ("auto", "triton", "gluon")
 # (d, causal) where backend="auto" takes the Gluon forward: where it was faster than this file's kernel on an H200
-# (bf16 and fp16, N 4096 and 16384, 2026-12-01, bench/NOTES.md: 1.06-1.22x). Not d = 64 causal: 0.98-1.04x at
+# (bf16 and fp16, N 4096 and 16384, 2026-12-01, bench/NOTES.md: 1.02-1.22x). Not d = 64 causal: 0.98-1.04x at
 # N >= 4096, and at N = 2048 (the GPT of bench/train_gpt.py, B = 16, H = 12) 0.349 ms against 0.302.
 GLUON_ROUTES = {(64, False), (128, False), (128, True)}
 
