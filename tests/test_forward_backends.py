@@ -14,7 +14,8 @@ import torch
 
 from kernel_env import DEVICE, ON_GPU  # noqa: E402  (sets TRITON_INTERPRET first)
 from helpers.kernels.backward import flash_attention  # noqa: E402
-from helpers.kernels.forward import BACKENDS, GLUON_ROUTES, _check_mods, _why_not_gluon, flash_attn_triton  # noqa: E402,E501
+from helpers.kernels.forward import (BACKENDS, GLUON_ROUTES, _check_mods, _why_not_gluon,  # noqa: E402
+                                     flash_attn_triton)
 
 ON_SM90 = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
