@@ -618,3 +618,19 @@ def test_lesson11_gluon_targets_match_their_records():
             f"{bwd['vs_triton']:.2f}× the course's Triton backward",
             f"The atomic variant ran at {atomic:.2f}× cuDNN"):
         assert sentence in text, f"lesson 11 should say: {sentence}"
+    # "1.02–1.22× in one run": the routed shapes (forward.GLUON_ROUTES) against the Triton forward in the run that
+    # timed both (call 2's files), the kernel "auto" picks for each
+    from helpers.kernels.forward import GLUON_ROUTES
+    logs = ROOT / "bench" / "results" / "logs"
+    both = [r for d in (64, 128) for r in json.loads((logs / f"gluon_fwd_grid_d{d}_2026-12-01.json").read_text())["rows"]]
+    pick = {(64, False): "gluon", (128, False): "gluon_pp", (128, True): "gluon_pp"}
+    assert set(pick) == GLUON_ROUTES
+    routed = [r[f"{pick[(r['d'], r['causal'])]}_tflops"] / r["triton_tflops"] for r in both if (r["d"], r["causal"]) in pick]
+    assert len(routed) == 12 and f"({span((min(routed), max(routed)))} in one run;" in text
+    readme = _flat((ROOT / "README.md").read_text())
+    for sentence in (
+            f"ran at {fwd['vs_cudnn'][0]:.2f}× cuDNN in geometric mean over 16 rows",
+            f"{span(fwd['vs_cudnn'][1:])}, {fwd['below']} rows below 1) and {fwd['vs_flash']:.2f}× SDPA flash",
+            f"ran at {bwd['vs_cudnn'][0]:.2f}× cuDNN ({span(bwd['vs_cudnn'][1:])}) and {bwd['vs_triton']:.2f}× the Triton "
+            "backward"):
+        assert sentence in readme, f"the README should say: {sentence}"
