@@ -436,3 +436,191 @@ def test_gluon_forward_uses_the_kernels_shared_constants():
     assert G.LOG2E is common.LOG2E and G.LN2 is common.LN2
     src = (ROOT / "helpers" / "kernels" / "gluon_forward.py").read_text()
     assert "1.4426950408889634" not in src and "0.6931471805599453" not in src
+
+
+# ------------------------------------------------------------------ the Gluon exercise: the producer warp
+# Each producer is written to a module file (``@gluon.jit`` reads its source from a file), from the course's own
+# lines with one of them replaced: a planted bug, or a correct answer written another way.
+_PRODUCER_LINES = {
+    "q": "mbarrier.expect(q_bar, q_desc.block_type.nbytes)\n    tma_load(q_desc, [q_row, 0], q_bar, q_smem)",
+    "loop": "for j in range(n_tiles):",
+    "stage": "s = j % NUM_STAGES",
+    "wait": "mbarrier.wait(empty.index(s), ((j // NUM_STAGES) & 1) ^ 1)",
+    "expect": "mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)",
+    "k": "tma_load(k_desc, [kv_row + j * BLOCK_N, 0], full.index(s), k_smem.index(s))",
+    "v": "tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(s), v_smem.index(s))",
+}
+_PRODUCER_FILE = """from helpers import lesson11
+gluon, gl, mbarrier, tma, tma_load = lesson11.gluon_api()
+
+
+@gluon.jit
+def producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
+             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    {q}
+    {loop}
+        {stage}
+        {wait}
+        {expect}
+        {k}
+        {v}
+"""
+
+
+def _producer(tmp_path, body=None, **lines):
+    """A ``@gluon.jit`` producer in its own module: the course's lines, ``lines`` replaced (or a whole ``body``)."""
+    import importlib.util as iu
+    import uuid
+    src = _PRODUCER_FILE.format(**{**_PRODUCER_LINES, **lines}) if body is None else \
+        _PRODUCER_FILE.split("    {q}")[0] + body
+    path = tmp_path / f"producer_{uuid.uuid4().hex[:8]}.py"
+    path.write_text(src)
+    spec = iu.spec_from_file_location(path.stem, path)
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.producer
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """The trace's verdicts without the sm_90 compile (one test below runs it for real)."""
+    calls = []
+    monkeypatch.setattr(L, "compile_producer_for_sm90", lambda p, **kw: calls.append(p) or {"ok": True, "ptx": []})
+    monkeypatch.setattr(L, "hopper_here", lambda: "no sm_90 GPU in this test")   # the same verdicts on an H200
+    return calls
+
+
+@pytest.mark.parametrize("lines, words", [
+    ({"wait": "mbarrier.wait(empty.index(s), (j // NUM_STAGES) & 1)"},
+     ["deadlock", "inverted parity", "mbarrier.wait(empty.index(s), (j // NUM_STAGES + 1) % 2)"]),
+    ({"wait": "mbarrier.wait(empty.index(s), 1)"}, ["overwrite", "parity not flipped on wrap"]),
+    ({"wait": "mbarrier.wait(empty.index(s), (j & 1) ^ 1)"}, ["flips every tile instead of every lap"]),
+    ({"wait": "pass"}, ["overwrite", "mbarrier.wait(empty.index(s), parity) before the loads into stage s"]),
+    ({"stage": "s = (j + 1) % NUM_STAGES"}, ["the producer loads tile 0 into stage 1", "s = j % NUM_STAGES"]),
+    ({"k": "tma_load(k_desc, [j * BLOCK_N, 0], full.index(s), k_smem.index(s))"},
+     ["k_desc copied from row", "kv_row is missing", "every head reads the first head's keys"]),
+    ({"expect": "mbarrier.expect(full.index(s), k_desc.block_type.nbytes)"},
+     ["expects one tile's bytes", "k_desc.block_type.nbytes + v_desc.block_type.nbytes"]),
+    ({"expect": "mbarrier.expect(full.index(s), 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes)"},
+     ["more than the two copies bring", "never completes"]),
+    ({"expect": "pass"}, ["no mbarrier.expect on full.index", "waits forever"]),
+    ({"v": "tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(s), k_smem.index(s))"},
+     ["v_desc's tile lands in k_smem", "V_j to v_smem.index(s)"]),
+    ({"v": "tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(0), v_smem.index(s))"},
+     ["completes full.index(0)", "full.index(s) for k_smem.index(s)"]),
+    ({"v": "tma_load(v_desc, [kv_row + (j + 1) * BLOCK_N, 0], full.index(s), v_smem.index(s))"},
+     ["stage 0 got K_0 and V_1", "one tile index j for both copies"]),
+    ({"v": "pass"}, ["but not its V", "both completing full.index(s)"]),
+    ({"q": "tma_load(q_desc, [q_row, 0], q_bar, q_smem)"}, ["q_bar expects 0 bytes", "mbarrier.expect(q_bar"]),
+    ({"q": "pass", "stage": "s = j % NUM_STAGES\n        mbarrier.expect(q_bar, q_desc.block_type.nbytes)\n"
+                            "        tma_load(q_desc, [q_row, 0], q_bar, q_smem)"},
+     ["Q was loaded", "load Q once, before the loop"]),
+    ({"q": "mbarrier.expect(q_bar, q_desc.block_type.nbytes)\n    tma_load(q_desc, [0, 0], q_bar, q_smem)"},
+     ["Q's TMA copy", "tma_load(q_desc, [q_row, 0], q_bar, q_smem)"]),
+    ({"wait": "mbarrier.wait(full.index(s), 0)"}, ["the producer waits on full.index", "waits only on empty"]),
+    ({"wait": "mbarrier.arrive(empty.index(s))"}, ["the producer arrives on empty.index", "never arrives"]),
+    ({"loop": "for j in range(n_tiles + 1):"}, ["copied from row"]),
+    ({"stage": "s = j % (NUM_STAGES + 1)"}, ["index(", "the stages are 0.."]),
+    ({"loop": "for j in gl.program_id(0):"}, ["the trace stopped", "gl.program_id"]),
+])
+def test_producer_planted_bug_rejected(tmp_path, no_compile, lines, words):
+    rejects(check.fa3_producer, _producer(tmp_path, **lines), *words)
+    assert not no_compile                                  # a producer the trace rejects is never compiled
+
+
+@pytest.mark.parametrize("lines", [
+    {},                                                    # the course's
+    {"stage": "s = j % NUM_STAGES\n        r = j // NUM_STAGES",
+     "wait": "mbarrier.wait(empty.index(s), (r + 1) % 2)"},
+    {"k": _PRODUCER_LINES["v"], "v": _PRODUCER_LINES["k"]},          # V before K
+    {"expect": "pass", "v": _PRODUCER_LINES["v"] + "\n        " + _PRODUCER_LINES["expect"]},   # expect last
+    {"expect": "mbarrier.expect(full.index(s), 2 * k_desc.block_type.nbytes)"},               # K and V alike
+    {"q": "pass", "loop": "tma_load(q_desc, [q_row, 0], q_bar, q_smem)\n    "
+                          "mbarrier.expect(q_bar, q_desc.block_type.nbytes)\n    for j in range(n_tiles):"},
+])
+def test_producer_written_another_way_passes(tmp_path, no_compile, strict, capsys, lines):
+    check.fa3_producer(_producer(tmp_path, **lines))
+    out = capsys.readouterr().out
+    assert "✅ fa3_producer" in out and "compiles for sm_90" in out and len(no_compile) == 1
+
+
+def test_producer_with_a_running_stage_and_phase_passes(tmp_path, no_compile, strict):
+    """CUTLASS's style: a (stage, phase) pair carried through the loop, the phase flipped when the stage wraps."""
+    body = """    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma_load(q_desc, [q_row, 0], q_bar, q_smem)
+    s = 0
+    phase = 1
+    for j in range(n_tiles):
+        mbarrier.wait(empty.index(s), phase)
+        mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        row = kv_row + j * BLOCK_N
+        tma_load(k_desc, [row, 0], full.index(s), k_smem.index(s))
+        tma_load(v_desc, [row, 0], full.index(s), v_smem.index(s))
+        s += 1
+        if s == NUM_STAGES:
+            s = 0
+            phase ^= 1
+"""
+    check.fa3_producer(_producer(tmp_path, body=body))
+
+
+def test_producer_stub_is_not_attempted(tmp_path, no_compile, not_strict, capsys):
+    check.fa3_producer(_producer(tmp_path, body="    raise NotImplementedError('fa3_producer: replace this line')\n"))
+    assert "⏳ fa3_producer: not attempted yet" in capsys.readouterr().out
+
+
+def test_producer_traces_without_triton(tmp_path, monkeypatch, strict, capsys):
+    """macOS, Windows: the exercise's names are stand-ins; the trace and the simulator still judge it."""
+    monkeypatch.setattr(L, "gluon_api", lambda: L._STAND_INS)
+    monkeypatch.setattr(L, "hopper_here", lambda: "no Triton, so no Gluon kernel runs")
+    import helpers.check.lesson11 as C
+    monkeypatch.setattr(C, "_gluon_here", lambda: "no Triton with Gluon here")
+    gluon, gl, *_ = L._STAND_INS
+    fn = _producer(tmp_path).fn                            # the plain function, re-decorated with the stand-in
+    check.fa3_producer(gluon.jit(fn))
+    out = capsys.readouterr().out
+    assert "✅ fa3_producer" in out and "no Triton with Gluon here" in out
+    with pytest.raises(RuntimeError, match="runs inside a kernel"):
+        gluon.jit(fn)()
+
+
+def test_producer_on_hopper_runs_natively(tmp_path, monkeypatch, strict, capsys):
+    """On an sm_90 GPU the checker runs the kernel with the producer (here the self-test is a stand-in that
+    returns its rows); a failing case is a verdict naming it."""
+    import helpers.kernels.gluon_forward as G
+    monkeypatch.setattr(L, "hopper_here", lambda: "")
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H200")
+    seen = {}
+
+    def selftest(**kw):
+        seen.update(kw)
+        return {"cases": 2, "worst": 3e-3, "ok": True, "rows": [{"ok": True}, {"ok": True}]}
+    monkeypatch.setattr(G, "gluon_forward_selftest", selftest)
+    p = _producer(tmp_path)
+    check.fa3_producer(p)
+    assert "matches float64 in 2 cases" in capsys.readouterr().out and seen["producer"] is p
+    monkeypatch.setattr(G, "gluon_forward_selftest", lambda **kw: {"cases": 2, "worst": 1.0, "ok": False, "rows": [
+        {"ok": True}, {"ok": False, "d": 128, "shape": (1, 8, 2, 300, 333), "causal": "top_left", "err": 0.5,
+                       "bound": 0.01}]})
+    rejects(check.fa3_producer, p, "fails 1 of 2 cases", "(1, 8, 2, 300, 333)", "5.00e-01 > bound")
+
+
+@pytest.mark.skipif(bool(_gluon_hopper_api()), reason=_gluon_hopper_api() or "ok")
+def test_producer_compiles_for_sm90_or_says_why_not(tmp_path):
+    """The compile in a child process, for real: the course's lines compile; a name the notebook had but the
+    child does not is the compiler's one-line reason."""
+    good = L.compile_producer_for_sm90(_producer(tmp_path))
+    assert good == {"ok": True, "ptx": ["cp.async.bulk.tensor", "mbarrier.try_wait.parity",
+                                        "mbarrier.arrive.expect_tx"]}, good
+    bad = L.compile_producer_for_sm90(_producer(tmp_path, stage="s = j % STAGES_FROM_THE_NOTEBOOK"))
+    assert not bad["ok"] and "STAGES_FROM_THE_NOTEBOOK" in bad["error"], bad
+
+
+def test_gluon_forward_takes_only_a_gluon_producer_for_ws():
+    G = _gluon_module()
+    import torch
+    q = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="producer must be a @gluon.jit function"):
+        G.gluon_forward(q, q, q, producer=lambda *a: None)
+    with pytest.raises(ValueError, match="replaces the 'ws' kernel's producer warp; variant is 'pp'"):
+        G.gluon_forward(q, q, q, variant="pp", producer=G._ws_producer)

@@ -259,6 +259,15 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, em
 
 
 @gluon.jit
+def _ws_worker(PRODUCER: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row,
+               kv_row, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The producer warp's partition: runs PRODUCER, ``_ws_producer`` or lesson 11's exercise (gl.warp_specialize
+    takes only jit functions as partitions, not one passed in as a constexpr)."""
+    PRODUCER(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
+             BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, first_row, n_free, n_tiles, Nk, diag, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, num_warps: gl.constexpr):
@@ -289,7 +298,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, first_row, n_free, 
 @gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     start_m, off_bh = _program_ids(CAUSAL)
     q_row = off_bh * N + start_m * BLOCK_M
@@ -311,8 +320,8 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
     acc, l_i, m_i = gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, start_m * BLOCK_M, n_free, n_tiles, Nk, diag,
                         qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, num_warps)),
-        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
-                        BLOCK_N, NUM_STAGES)),
+        (_ws_worker, (PRODUCER, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row,
+                      n_tiles, BLOCK_N, NUM_STAGES)),
     ], [1], [24])
 
     mbarrier.invalidate(q_bar)
@@ -504,16 +513,19 @@ VARIANTS = {
 }
 
 
-def _launch_spec(variant, d, blocks=None):
+def _launch_spec(variant, d, blocks=None, producer=None):
     """(kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra constexprs, query rows per CTA, num_warps) of a variant;
-    ``blocks`` (BLOCK_M, BLOCK_N, NUM_STAGES) replaces the variant's table entry (a tuning sweep's)."""
+    ``blocks`` (BLOCK_M, BLOCK_N, NUM_STAGES) replaces the variant's table entry (a tuning sweep's); ``producer``
+    replaces ``_ws_producer`` in the "ws" kernel (lesson 11's exercise)."""
     if blocks is not None:
         blocks = _check_blocks(blocks)
     if variant in ("overlap", "pp", "pp128"):
         bm, bn, st = blocks or (PP128_BLOCKS if variant == "pp128" else PP_BLOCKS)[d]
         return _attn_fwd_pp, (bm, bn, st), {"PINGPONG": variant != "overlap"}, 2 * bm, 4   # + 4 + 1 worker warps
     bm, bn, st = blocks or BLOCKS[d]
-    return (_attn_fwd_ws if variant == "ws" else _attn_fwd), (bm, bn, st), {}, bm, bm // 16
+    if variant == "ws":
+        return _attn_fwd_ws, (bm, bn, st), {"PRODUCER": producer or _ws_producer}, bm, bm // 16
+    return _attn_fwd, (bm, bn, st), {}, bm, bm // 16
 
 
 def _check_blocks(blocks):
@@ -537,6 +549,20 @@ def _variant(variant, warp_specialize):
     if warp_specialize and variant == "one":
         raise ValueError("gluon_forward: warp_specialize=True contradicts variant='one'")
     return variant
+
+
+def _check_producer(producer, variant):
+    """A producer for the "ws" kernel: a Gluon jit function with ``_ws_producer``'s 14 arguments."""
+    if producer is None:
+        return
+    if variant != "ws":
+        raise ValueError(f"gluon_forward: a producer replaces the 'ws' kernel's producer warp; variant is {variant!r}")
+    from triton.experimental.gluon._runtime import GluonJITFunction
+    if not isinstance(producer, GluonJITFunction):
+        raise TypeError(f"gluon_forward: producer must be a @gluon.jit function, got {type(producer).__name__}")
+    if len(producer.arg_names) != 14:
+        raise TypeError(f"gluon_forward: producer takes _ws_producer's 14 arguments (q_desc, ..., NUM_STAGES); "
+                        f"{producer.__name__} takes {len(producer.arg_names)}")
 
 
 def _check_inputs(q, k, v, sm_scale):
@@ -592,7 +618,7 @@ def _diag(causal, align, N, Nk):
 
 
 def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, causal=False, align="top_left",
-                  blocks=None):
+                  blocks=None, producer=None):
     """(O, lse) of attention: q ``[B, H, N, d]``, k, v ``[B, Hkv, Nk, d]`` (H a multiple of Hkv: query head h reads
     KV head h // (H // Hkv)) on an sm_90 GPU, bf16 or fp16, d = 64 or 128. O has q's dtype, lse is float32 in natural
     log. ``causal``: row i sees key j when j <= i + diag, diag = 0 for ``align="top_left"``, Nk - N for
@@ -604,9 +630,12 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, c
     softmax), ``"pp"`` (those warpgroups also take turns on the tensor cores: FA3's ping-pong) and ``"auto"`` (the
     fastest measured for this head dim and mask, ``AUTO_VARIANT``). ``blocks``
     (BLOCK_M, BLOCK_N, NUM_STAGES) replaces the variant's tiles (for a tuning sweep; BLOCK_M is per warpgroup in the
-    two-warpgroup variants). Raises TypeError or ValueError, before any GPU work, for inputs it cannot take."""
+    two-warpgroup variants). ``producer``: a ``@gluon.jit`` function with ``_ws_producer``'s arguments that runs as
+    the "ws" kernel's producer warp (lesson 11's exercise; ``variant`` None means "ws" then). Raises TypeError or
+    ValueError, before any GPU work, for inputs it cannot take."""
     import torch
-    variant = _variant(variant, warp_specialize)
+    variant = _variant("ws" if producer is not None and variant is None else variant, warp_specialize)
+    _check_producer(producer, variant)
     _check_align(align)
     if blocks is not None:
         _check_blocks(blocks)
@@ -617,7 +646,7 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, c
         variant = AUTO_VARIANT[(d, bool(causal))]
     Hkv, Nk = k.shape[1], k.shape[2]
     diag = _diag(causal, align, N, Nk)
-    kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, rows_per_cta, num_warps = _launch_spec(variant, d, blocks)
+    kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, rows_per_cta, num_warps = _launch_spec(variant, d, blocks, producer)
     q2 = q.contiguous().view(B * H * N, d)                       # [B*H*N, d]
     k2 = k.contiguous().view(B * Hkv * Nk, d)                    # [B*Hkv*Nk, d]
     v2 = v.contiguous().view(B * Hkv * Nk, d)
@@ -639,16 +668,17 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, c
 
 
 def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None, causal=False, blocks=None,
-                     compiled=False):
+                     compiled=False, producer=None):
     """Compile one variant's kernel for sm_90 with Triton's own compiler, no GPU needed; returns the PTX, or with
     ``compiled=True`` the compiled kernel (its ``asm`` and ``metadata``: shared memory, ptxas's spills). (GQA needs
-    no compile of its own: the query heads per KV head are a runtime argument.)"""
+    no compile of its own: the query heads per KV head are a runtime argument.) ``producer``: as gluon_forward's."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    variant = _variant(variant, warp_specialize)
+    variant = _variant("ws" if producer is not None and variant is None else variant, warp_specialize)
+    _check_producer(producer, variant)
     if variant == "auto":
         variant = AUTO_VARIANT[(d, bool(causal))]
-    kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, _, num_warps = _launch_spec(variant, d, blocks)
+    kernel, (BLOCK_M, BLOCK_N, NUM_STAGES), extra, _, num_warps = _launch_spec(variant, d, blocks, producer)
     el = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, d], el)
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], el)
@@ -700,24 +730,26 @@ def _reference(q, k, v, causal, align):
     return p @ v64, lse
 
 
-def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False, variant=None, log=None, causal=None):
+def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False, variant=None, log=None, causal=None,
+                           producer=None, dtypes=None, head_dims=(64, 128)):
     """On an sm_90 GPU: one variant of the kernel (``VARIANTS``) against float64 attention on harsh cases
     (``SELFTEST_CASES``: ragged N and Nk, N = 1, Nk = 1, N != Nk both ways, large logits, GQA 4:1 and 8:1, causal in
     both alignments, rows that see no key), bf16 and fp16, d = 64 and 128. ``causal``: None runs every case, True
     only the causal ones, False only the others; ``shapes``: other cases, (B, H, N, Nk) or the 7-tuples. The bound
     per case is 2 x SDPA's own error in that dtype (on the rows that see a key) plus the output's rounding; rows that
     see no key must give O = 0 exactly and lse = -inf. A case that raises is recorded as failed (its error in
-    ``rows``), and the others still run; ``log(row)`` is called after each case. Returns {"cases", "worst"
-    (max |O - O64|), "worst_lse", "ok", "rows"}."""
+    ``rows``), and the others still run; ``log(row)`` is called after each case. ``producer``, ``dtypes``
+    (default bf16 and fp16), ``head_dims``: lesson 11's exercise runs a learner's producer on fewer. Returns
+    {"cases", "worst" (max |O - O64|), "worst_lse", "ok", "rows"}."""
     import torch
     import torch.nn.functional as F
-    variant = _variant(variant, warp_specialize)
+    variant = _variant("ws" if producer is not None and variant is None else variant, warp_specialize)
     torch.manual_seed(seed)
     cases = [c if len(c) == 7 else (c[0], c[1], c[1], c[2], c[3], False, "top_left") for c in shapes or SELFTEST_CASES]
     cases = [c for c in cases if causal is None or c[5] == causal]
     rows, worst, worst_lse, ok = [], 0.0, 0.0, True
-    for dt in (torch.bfloat16, torch.float16):
-        for d in (64, 128):
+    for dt in dtypes or (torch.bfloat16, torch.float16):
+        for d in head_dims:
             for B, H, Hkv, N, Nk, is_causal, align in cases:
                 row = dict(dtype=str(dt).replace("torch.", ""), d=d, shape=(B, H, Hkv, N, Nk),
                            causal=align if is_causal else False)
@@ -725,7 +757,7 @@ def gluon_forward_selftest(shapes=None, seed=0, warp_specialize=False, variant=N
                 q = (torch.randn(B, H, N, d, device="cuda") * big).to(dt)
                 k, v = (torch.randn(B, Hkv, Nk, d, device="cuda").to(dt) for _ in range(2))
                 try:
-                    o, lse = gluon_forward(q, k, v, variant=variant, causal=is_causal, align=align)
+                    o, lse = gluon_forward(q, k, v, variant=variant, causal=is_causal, align=align, producer=producer)
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 - one report for the whole run
                     ok = False
