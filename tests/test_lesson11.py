@@ -236,6 +236,13 @@ def test_worked_answer_passes(strict, capsys):
     assert "✅ fa3_schedule" in capsys.readouterr().out
 
 
+def test_worked_producer_passes(strict, capsys, monkeypatch):
+    monkeypatch.setattr(L, "hopper_here", lambda: "no sm_90 GPU in this test")
+    monkeypatch.setattr(L, "compile_producer_for_sm90", lambda p, **kw: {"ok": True, "ptx": []})
+    check.fa3_producer(notebook_namespace(NB)["fa3_producer"])
+    assert "✅ fa3_producer" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ the GPU section's gate
 def test_gpu_section_says_one_line_without_hopper(capsys, monkeypatch):
     monkeypatch.setattr(L, "hopper_here", lambda: L.NO_HOPPER + " This machine has no CUDA GPU.")
@@ -450,8 +457,7 @@ _PRODUCER_LINES = {
     "k": "tma_load(k_desc, [kv_row + j * BLOCK_N, 0], full.index(s), k_smem.index(s))",
     "v": "tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(s), v_smem.index(s))",
 }
-_PRODUCER_FILE = """from helpers import lesson11
-gluon, gl, mbarrier, tma, tma_load = lesson11.gluon_api()
+_PRODUCER_FILE = """from helpers.gluon_names import gluon, gl, mbarrier, tma, tma_load
 
 
 @gluon.jit
@@ -467,12 +473,16 @@ def producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty,
 """
 
 
-def _producer(tmp_path, body=None, **lines):
-    """A ``@gluon.jit`` producer in its own module: the course's lines, ``lines`` replaced (or a whole ``body``)."""
+def _producer(tmp_path, body=None, stand_ins=False, **lines):
+    """A ``@gluon.jit`` producer in its own module: the course's lines, ``lines`` replaced (or a whole ``body``);
+    ``stand_ins``: written with the names a machine without Triton gets."""
     import importlib.util as iu
     import uuid
     src = _PRODUCER_FILE.format(**{**_PRODUCER_LINES, **lines}) if body is None else \
         _PRODUCER_FILE.split("    {q}")[0] + body
+    if stand_ins:
+        src = src.replace("from helpers.gluon_names import gluon, gl, mbarrier, tma, tma_load",
+                          "from helpers.lesson11 import _STAND_INS\ngluon, gl, mbarrier, tma, tma_load = _STAND_INS")
     path = tmp_path / f"producer_{uuid.uuid4().hex[:8]}.py"
     path.write_text(src)
     spec = iu.spec_from_file_location(path.stem, path)
@@ -575,13 +585,15 @@ def test_producer_traces_without_triton(tmp_path, monkeypatch, strict, capsys):
     monkeypatch.setattr(L, "hopper_here", lambda: "no Triton, so no Gluon kernel runs")
     import helpers.check.lesson11 as C
     monkeypatch.setattr(C, "_gluon_here", lambda: "no Triton with Gluon here")
-    gluon, gl, *_ = L._STAND_INS
-    fn = _producer(tmp_path).fn                            # the plain function, re-decorated with the stand-in
-    check.fa3_producer(gluon.jit(fn))
+    producer = _producer(tmp_path, stand_ins=True)
+    assert isinstance(producer, L._StandInJit)
+    check.fa3_producer(producer)
     out = capsys.readouterr().out
     assert "✅ fa3_producer" in out and "no Triton with Gluon here" in out
     with pytest.raises(RuntimeError, match="runs inside a kernel"):
-        gluon.jit(fn)()
+        producer()
+    rejects(check.fa3_producer, _producer(tmp_path, stand_ins=True, wait="mbarrier.wait(empty.index(s), 0)"),
+            "inverted parity")
 
 
 def test_producer_on_hopper_runs_natively(tmp_path, monkeypatch, strict, capsys):
