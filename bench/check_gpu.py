@@ -5,7 +5,7 @@
 2. Every notebook in a real Jupyter kernel (nbclient, as ``make grade`` and nbval use it), each from a
    clean copy: the worked ones (``solutions/``) must show ✅ for every exercise and no cell error; the
    learner ones (``notebooks/``) ⏳ for every exercise and no cell error. A verdict is read from the
-   course's own grade log (``COURSE_GRADE_LOG``), one line per check.
+   course's own grade log (``COURSE_GRADE_LOG``), one line per check; the record keeps each one's first line.
 3. The record: date, GPU, driver, torch, triton, Python, the tests' counts per file and each notebook's
    counts, to ``bench/results/check_gpu.json`` (and ``$OUT`` when set); a short table last. Exit 1 on
    any failure.
@@ -106,11 +106,12 @@ def run_notebook(path: Path) -> dict:
             client.execute(env=env)
         except Exception as e:  # noqa: BLE001 - a dead kernel or a timeout is a row, not a crash
             problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        said = {}
+        said, lines = {}, {}
         if verdict_log.exists():
             for line in verdict_log.read_text(encoding="utf-8").splitlines():
                 rec = json.loads(line)
                 said[rec["exercise"]] = rec["status"]          # the last verdict for a name wins
+                lines[rec["exercise"]] = (rec.get("message") or "").strip().splitlines()[:1]
     errors = [f"cell {i}: {o.get('ename')}: {str(o.get('evalue', '')).splitlines()[0] if o.get('evalue') else ''}"
               for i, c in enumerate(nb.cells) if c.cell_type == "code"
               for o in c.get("outputs", []) if o.get("output_type") == "error"]
@@ -119,7 +120,8 @@ def run_notebook(path: Path) -> dict:
     want = "pass" if worked else "todo"
     ok = problem is None and not errors and counts[want] == len(exercises)
     return {"notebook": f"{path.parent.name}/{path.name}", "ok": ok, "exercises": len(exercises), **counts,
-            "errors": errors + ([problem] if problem else []), "seconds": round(time.time() - t0, 1)}
+            "errors": errors + ([problem] if problem else []), "seconds": round(time.time() - t0, 1),
+            "verdicts": {name: (lines.get(name) or [""])[0] for name in exercises}}   # each check's first line
 
 
 def save(record: dict) -> None:

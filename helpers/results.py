@@ -23,7 +23,7 @@ __all__ = ["RESULTS", "TRAINING", "RING", "load_json", "load_results", "load_tra
            "decode_table", "backward_table", "gpu_results_table", "NOT_MEASURED", "serving_results",
            "serving_tables", "GLUON", "GLUON_FA3", "GLUON_VARIANTS", "load_gluon", "gluon_label", "gluon_ratios",
            "GLUON_FORWARD", "GLUON_BACKWARD", "gluon_targets", "gluon_targets_table",
-           "gluon_table", "plot_gluon"]
+           "gluon_table", "plot_gluon", "GLUON_PROFILE", "gluon_profile", "gluon_profile_table"]
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 RESULTS = RESULTS_DIR / "h200.json"
@@ -33,6 +33,7 @@ GLUON = RESULTS_DIR / "gluon_h200.json"
 GLUON_FA3 = RESULTS_DIR / "gluon_h200_variants.json"  # FA3's overlap and ping-pong variants, N = 16384
 GLUON_FORWARD = RESULTS_DIR / "gluon_forward_h200.json"    # issue 26's forward target: variant "auto" vs SDPA
 GLUON_BACKWARD = RESULTS_DIR / "gluon_backward_h200.json"  # issue 26's backward target: gluon_backward vs SDPA
+GLUON_PROFILE = RESULTS_DIR / "gluon_profile_h200.json"    # bench/profile_gluon.py: Nsight Compute, Gluon vs cuDNN
 
 
 def load_json(path):
@@ -374,6 +375,43 @@ def gluon_targets_table(fwd=None, bwd=None) -> str:
             gm, lo, hi = fig["vs_cudnn"]
             lines.append(f"  {name}: {gm:.2f}x cuDNN in geomean ({lo:.2f}-{hi:.2f}x, {fig['below']} of {fig['rows']} "
                          f"rows below 1), {fig['vs_flash']:.2f}x SDPA flash")
+    return "\n".join(lines)
+
+
+def gluon_profile(res=None) -> dict:
+    """The Nsight Compute record (``GLUON_PROFILE``) per case, ``{case: {"ms", "kernels", "main"}}``: ``ms`` the
+    call's kernels together, ``main`` the kernel with the most tensor-core work (the attention kernel, not cuDNN's
+    small preprocess and conversion kernels). {} when nothing is recorded."""
+    res = load_json(GLUON_PROFILE) if res is None else res
+    out = {}
+    for row in (res or {}).get("rows", []):
+        ks = row["kernels"]
+        main = max(ks, key=lambda k: k.get("tensor_pct", 0) * k.get("ns", 0))
+        out[row["case"]] = {"ms": row["ms"], "kernels": ks, "main": main}
+    return out
+
+
+def gluon_profile_table(res=None) -> str:
+    """The Nsight Compute record, a line per kernel: its time and how busy the tensor cores (wgmma counts in the
+    hmma pipe), the exponential unit (XU) and the FMA pipe were, its registers per thread and grid; then per case
+    the Gluon call's time over cuDNN's. Labelled with the GPU, versions, date and tool."""
+    res = load_json(GLUON_PROFILE) if res is None else res
+    if not res or not res.get("rows"):
+        return f"Nsight Compute profile of the Gluon kernels: {NOT_MEASURED}"
+    prof = gluon_profile(res)
+    lines = [f"Nsight Compute on {results_label(res['meta'])} · {res['meta'].get('tool', '')}",
+             f"{res['meta'].get('shapes', '')}; % of each pipe's sustained peak while the SMs are active",
+             f"{'case':28} {'kernel':34} {'us':>8} {'tensor':>7} {'xu':>6} {'fma':>6} {'regs':>5} {'grid':>6}"]
+    for case, p in prof.items():
+        for k in p["kernels"]:
+            lines.append(f"{case:28} {k['kernel'][:34]:34} {k.get('ns', 0) / 1e3:8.0f} {k.get('tensor_pct', 0):6.1f}% "
+                         f"{k.get('xu_pct', 0):5.1f}% {k.get('fma_pct', 0):5.1f}% {k.get('registers', 0):5.0f} "
+                         f"{k.get('grid', 0):6.0f}")
+    for case, p in prof.items():
+        twin = case.replace("-gluon-", "-cudnn-")
+        if "-gluon-" in case and twin in prof:
+            lines.append(f"  {case.replace('-gluon', '')}: the Gluon call takes {p['ms'] / prof[twin]['ms']:.2f}x "
+                         f"cuDNN's time under ncu")
     return "\n".join(lines)
 
 
