@@ -237,3 +237,33 @@ def test_bench_gluon_bwd_check_passes_sdpa_itself_and_rejects_an_offset():
             assert not bench.check_backward(q, k, v, do, causal, bad)["pass"], (causal, i)
         nan = [grads[0], grads[1], grads[2].clone().fill_(float("nan"))]
         assert not bench.check_backward(q, k, v, do, causal, nan)["pass"]
+
+
+def test_profile_gluon_reads_ncu_csv_kernel_by_kernel():
+    """bench/profile_gluon.py: ncu's --csv lines (one per kernel and metric, after ncu's own lines) become one row
+    per kernel in launch order, with the record's keys; results.gluon_profile_table prints them and each Gluon
+    call over its cuDNN twin."""
+    P = _load("profile_gluon")
+    head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",' \
+           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
+
+    def line(i, kernel, metric, value):
+        return f'"{i}","1","python3","h","{kernel}","1","7","(384,1,1)","(8,1,1)","0","9.0","Command line profiler ' \
+               f'metrics","{metric}","","{value}"'
+    text = "\n".join(["==PROF== Connected to process 1", head,
+                      line(0, "_bwd_dkdv", "gpu__time_duration.sum", "2,000,000"),
+                      line(0, "_bwd_dkdv", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+                           "63.2"),
+                      line(1, "void cudnn::convert_dq_to_16bits<1>(const void *)", "gpu__time_duration.sum", "1,000"),
+                      line(1, "void cudnn::convert_dq_to_16bits<1>(const void *)", "launch__grid_size", "32,768"),
+                      "==PROF== Disconnected from process 1"])
+    rows = P.parse(text)
+    assert rows == [{"kernel": "_bwd_dkdv", "ns": 2e6, "tensor_pct": 63.2},
+                    {"kernel": "cudnn::convert_dq_to_16bits<1>", "ns": 1000.0, "grid": 32768.0}]
+    from helpers import results
+    rec = {"meta": {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "date": "2026-12-01", "tool": "ncu"},
+           "rows": [{"case": "bwd-gluon-d128-N16384", "kernels": rows[:1], "ms": 2.0},
+                    {"case": "bwd-cudnn-d128-N16384", "kernels": [dict(rows[0], ns=1e6)], "ms": 1.0}]}
+    table = results.gluon_profile_table(rec)
+    assert "NVIDIA H200" in table and "63.2%" in table and "bwd-d128-N16384: the Gluon call takes 2.00x" in table
+    assert "not" in results.gluon_profile_table({"rows": []}).lower()

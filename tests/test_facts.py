@@ -634,3 +634,33 @@ def test_lesson11_gluon_targets_match_their_records():
             f"ran at {bwd['vs_cudnn'][0]:.2f}× cuDNN ({span(bwd['vs_cudnn'][1:])}) and {bwd['vs_triton']:.2f}× the Triton "
             "backward"):
         assert sentence in readme, f"the README should say: {sentence}"
+
+
+def test_lesson11_profile_paragraph_matches_its_record():
+    """Lesson 11's "What Nsight Compute shows" carries gluon_profile_h200.json's figures (bench/profile_gluon.py),
+    read through helpers.results.gluon_profile."""
+    from helpers import results
+    p = results.gluon_profile()
+    main = {case: v["main"] for case, v in p.items()}
+    ratio = {case: p[case]["ms"] / p[case.replace("-gluon-", "-cudnn-")]["ms"] for case in p if "-gluon-" in case}
+    dkdv, dq = (next(k for k in p["bwd-gluon-d128-N16384"]["kernels"] if k["kernel"] == name)
+                for name in ("_bwd_dkdv", "_bwd_dq"))
+    dkdv64 = next(k for k in p["bwd-gluon-d64-N4096-causal"]["kernels"] if k["kernel"] == "_bwd_dkdv")
+    fwd64, cud64 = main["fwd-gluon-d64-N4096-causal"], main["fwd-cudnn-d64-N4096-causal"]
+    assert fwd64["registers"] == cud64["registers"] == 168 and cud64["grid"] == 132 and fwd64["grid"] == 8192
+    text = _flat(_markdown("11_hopper_fa3"))
+    for sentence in (
+            f"busy {main['fwd-gluon-d128-N16384']['tensor_pct']:.1f}% of the time in the Gluon forward and "
+            f"{main['fwd-cudnn-d128-N16384']['tensor_pct']:.1f}% in cuDNN's, and the two calls take the same time "
+            f"({ratio['fwd-gluon-d128-N16384']:.2f}×)",
+            f"The Gluon call takes {ratio['fwd-gluon-d64-N4096-causal']:.2f}× cuDNN's time, and its tensor cores are "
+            f"busy {fwd64['tensor_pct']:.1f}% of the time against {cud64['tensor_pct']:.1f}%",
+            f"{dkdv['tensor_pct']:.1f}% and {dq['tensor_pct']:.1f}% of the time, cuDNN's one kernel "
+            f"{main['bwd-cudnn-d128-N16384']['tensor_pct']:.1f}%",
+            f"the Gluon call takes {ratio['bwd-gluon-d128-N16384']:.2f}× cuDNN's time",
+            f"it already holds {dkdv['registers']:.0f} a thread",
+            f"{ratio['bwd-gluon-d64-N4096-causal']:.2f}× cuDNN's time; the dK/dV kernel keeps the tensor cores busy "
+            f"only {dkdv64['tensor_pct']:.1f}% of the time against cuDNN's "
+            f"{main['bwd-cudnn-d64-N4096-causal']['tensor_pct']:.1f}%"):
+        assert sentence in text, f"lesson 11 should say: {sentence}"
+    assert abs(ratio["bwd-gluon-d128-N16384"] - 7 / 5) < 0.05      # "7/5 = 1.4 is what the record shows"
