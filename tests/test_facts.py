@@ -664,3 +664,11 @@ def test_lesson11_profile_paragraph_matches_its_record():
             f"{main['bwd-cudnn-d64-N4096-causal']['tensor_pct']:.1f}%"):
         assert sentence in text, f"lesson 11 should say: {sentence}"
     assert abs(ratio["bwd-gluon-d128-N16384"] - 7 / 5) < 0.05      # "7/5 = 1.4 is what the record shows"
+    from conftest import ROOT
+    readme = _flat((ROOT / "README.md").read_text())
+    for sentence in (
+            f"as busy as cuDNN's ({main['fwd-gluon-d128-N16384']['tensor_pct']:.1f}% and "
+            f"{main['fwd-cudnn-d128-N16384']['tensor_pct']:.1f}%)",
+            f"less so ({fwd64['tensor_pct']:.1f}% against {cud64['tensor_pct']:.1f}%)",
+            f"the call takes {ratio['bwd-gluon-d128-N16384']:.2f}× cuDNN's time at d = 128"):
+        assert sentence in readme, f"the README should say: {sentence}"
