@@ -708,8 +708,8 @@ _STAND_INS = (_NotHere("gluon", jit=_StandInJit), _NotHere("gl", constexpr=_Cons
 
 
 @dataclass(frozen=True)
-class _Bar:
-    """One mbarrier: ("q_bar", None) or ("full" / "empty", stage)."""
+class _Named:
+    """A kernel object by its argument's name, and its stage when taken from a ring with ``.index(s)``."""
     name: str
     stage: int | None = None
 
@@ -717,14 +717,12 @@ class _Bar:
         return self.name if self.stage is None else f"{self.name}.index({self.stage})"
 
 
-@dataclass(frozen=True)
-class _Smem:
+class _Bar(_Named):
+    """One mbarrier: q_bar, or full / empty's stage."""
+
+
+class _Smem(_Named):
     """A shared-memory buffer: q_smem, or k_smem / v_smem's stage."""
-    name: str
-    stage: int | None = None
-
-    def __repr__(self):
-        return self.name if self.stage is None else f"{self.name}.index({self.stage})"
 
 
 class _Ring:

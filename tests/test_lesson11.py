@@ -545,6 +545,8 @@ def test_producer_planted_bug_rejected(tmp_path, no_compile, lines, words):
     {"k": _PRODUCER_LINES["v"], "v": _PRODUCER_LINES["k"]},          # V before K
     {"expect": "pass", "v": _PRODUCER_LINES["v"] + "\n        " + _PRODUCER_LINES["expect"]},   # expect last
     {"expect": "mbarrier.expect(full.index(s), 2 * k_desc.block_type.nbytes)"},               # K and V alike
+    {"wait": "if j >= NUM_STAGES:                                # the ring starts empty: no wait on lap 0\n"
+             "            mbarrier.wait(empty.index(s), ((j // NUM_STAGES) & 1) ^ 1)"},
     {"q": "pass", "loop": "tma_load(q_desc, [q_row, 0], q_bar, q_smem)\n    "
                           "mbarrier.expect(q_bar, q_desc.block_type.nbytes)\n    for j in range(n_tiles):"},
 ])
