@@ -59,9 +59,9 @@ def parse_variant(spec):
     return key, name, blocks
 
 
-def bench_row(q, k, v, causal, variants, gluon_forward):
-    """One row: each Gluon variant checked, then timed; the Triton forward and SDPA flash / cuDNN timed. variants:
-    (row key, variant, blocks) triples."""
+def bench_row(q, k, v, causal, variants, gluon_forward, triton=True):
+    """One row: each Gluon variant checked, then timed; the Triton forward (unless ``triton`` is False) and SDPA
+    flash / cuDNN timed. variants: (row key, variant, blocks) triples."""
     B, H, N, d = q.shape
     Hkv = k.shape[1]
     flops = 4 * B * H * N * k.shape[2] * d // (2 if causal else 1)
@@ -79,8 +79,9 @@ def bench_row(q, k, v, causal, variants, gluon_forward):
         if chk["pass"]:
             ms = bench_ms(lambda: gluon_forward(q, k, v, variant=var, causal=causal, blocks=blocks))
             row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
-    ms = bench_ms(lambda: flash_attn_triton(q, k, v, causal=causal, backend="triton"))   # the tl kernel, not routed
-    row["triton_tflops"] = round(flops / ms / 1e9, 1)
+    if triton:
+        ms = bench_ms(lambda: flash_attn_triton(q, k, v, causal=causal, backend="triton"))   # the tl kernel, not routed
+        row["triton_tflops"] = round(flops / ms / 1e9, 1)
     gqa = {"enable_gqa": True} if Hkv != H else {}
     for backend in ("flash", "cudnn"):
         ms = sdpa_ms(backend, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa))
@@ -198,7 +199,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--N", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--variant", nargs="+", default=["one"],
-                    help="Gluon variants: one, ws, overlap, pp, pp128; VARIANT@BMxBNxSTAGES fixes the tiles (a sweep)")
+                    help="Gluon variants: one, ws, overlap, pp, pp128, ppp, auto; VARIANT@BMxBNxSTAGES fixes the tiles (a sweep)")
     ap.add_argument("--ws", action="store_true", help="also the warp-specialised Gluon kernel (--variant ... ws)")
     ap.add_argument("--causal", action="store_true", help="each row's causal twin too (top-left, N = Nk)")
     ap.add_argument("--group", type=int, nargs="+", default=[1], help="query heads per KV head (GQA rows: G > 1)")
@@ -206,6 +207,8 @@ def main(argv=None):
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128], choices=[64, 128])
     ap.add_argument("--out", default=None, help="the JSON to write (default bench/results/gluon_<gpu>.json; "
                                                 "with --bwd gluon_bwd_<gpu>.json)")
+    ap.add_argument("--no-triton", action="store_true", help="the forward without the Triton kernel's column (a "
+                                                             "sweep of Gluon variants against SDPA alone)")
     ap.add_argument("--bwd", action="store_true", help="the backward (gluon_backward) instead of the forward")
     ap.add_argument("--bwd-config", type=json.loads, default=None,
                     help='gluon_backward\'s tile overrides, e.g. \'{"dkdv": {"BLOCK_M": 64, "NUM_STAGES": 3}}\'')
@@ -236,12 +239,12 @@ def main(argv=None):
                 for group in args.group:
                     q, k, v = row_inputs(dtype, d, N, group)
                     for causal in ((False, True) if args.causal else (False,)):
-                        row = bench_row(q, k, v, causal, variants, gluon_forward)
+                        row = bench_row(q, k, v, causal, variants, gluon_forward, triton=not args.no_triton)
                         result["rows"].append(row)
                         log(row)
                         write_json(path, result)
                     del q, k, v
-    cols = [n for n, _, _ in variants] + ["triton", "sdpa_flash", "sdpa_cudnn"]
+    cols = [n for n, _, _ in variants] + ([] if args.no_triton else ["triton"]) + ["sdpa_flash", "sdpa_cudnn"]
     log(f"\n{gpu}, torch {torch.__version__}, triton {result['meta']['triton']}, TFLOP/s (median; causal counts half "
         "the FLOPs)")
     log(f"{'dtype':9s} {'d':>4s} {'N':>6s} {'H:Hkv':>6s} {'causal':>6s} " + " ".join(f"{c:>10s}" for c in cols) +

@@ -295,7 +295,7 @@ out = {}
 for d, dt, var, causal in ((64, "bf16", "one", False), (128, "fp16", "one", False), (64, "fp16", "ws", False),
                            (128, "bf16", "ws", False), (64, "bf16", "pp", False), (128, "fp16", "pp", False),
                            (128, "bf16", "overlap", False), (64, "bf16", "one", True), (128, "fp16", "ws", True),
-                           (128, "bf16", "pp", True), (64, "fp16", "overlap", True), (128, "bf16", "pp128", True)):
+                           (128, "bf16", "ppp", True), (64, "fp16", "overlap", True), (128, "bf16", "pp128", True)):
     ptx = compile_for_sm90(d=d, dtype=dt, variant=var, causal=causal)
     out[f"{d} {dt} {var}{' causal' if causal else ''}"] = [
         k for k in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx",
@@ -320,14 +320,14 @@ def test_gluon_forward_compiles_for_sm90():
     assert r.returncode == 0, r.stderr[-3000:]
     found = json.loads(r.stdout.strip().splitlines()[-1])
     want = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait.parity", "ex2.approx", "div.s32"]
-    overlap = want[:4] + ["wgmma.wait_group.sync.aligned 1", "div.s32"]   # waits for S_j while P_{j-1} V_{j-1} runs
     heavy_first = ["%nctaid.x"]                           # causal: the query block is counted from the grid's end
+    # waits for S_j while P_{j-1} V_{j-1} runs; a grid-stride loop over work items (the grid's size: %nctaid.x)
+    overlap = want[:4] + ["wgmma.wait_group.sync.aligned 1", "div.s32"] + heavy_first
     assert found == {"64 bf16 one": want, "128 fp16 one": want, "64 fp16 ws": want, "128 bf16 ws": want,
                      "64 bf16 pp": overlap, "128 fp16 pp": overlap, "128 bf16 overlap": overlap,
                      "64 bf16 one causal": want + heavy_first, "128 fp16 ws causal": want + heavy_first,
-                     "128 bf16 pp causal": overlap + heavy_first,
-                     "64 fp16 overlap causal": overlap + heavy_first,
-                     "128 bf16 pp128 causal": overlap + heavy_first}, found
+                     "128 bf16 ppp causal": overlap, "64 fp16 overlap causal": overlap,
+                     "128 bf16 pp128 causal": overlap}, found
 
 
 def _kernel_waits(fn_name):
@@ -376,8 +376,9 @@ def test_the_pingpong_kernels_waits_follow_the_simulated_rule():
     stage freed only after both released it), and each warpgroup's k-th turn waits parity k % 2."""
     prod, cons = _kernel_waits("_pp_producer"), _kernel_waits("_pp_tiles")        # tiles 1.. in _pp_tiles
     assert set(prod) == {"empty"} and set(cons) == {"full", "turn"}
-    tile0 = _kernel_waits("_pp_consumer")                 # tile 0, peeled (no P V before it), waits parity 0 on both
-    assert set(tile0) == {"full", "turn"} and tile0["full"](0, 3) == cons["full"](0, 3) == 0 == tile0["turn"](0, 3)
+    tile0 = _kernel_waits("_pp_item")                     # an item's tile 0, peeled (no P V before it): the same rule
+    assert set(tile0) == {"full", "turn"} and all(tile0["full"](j, 3) == cons["full"](j, 3) and
+                                                  tile0["turn"](j, 3) == cons["turn"](j, 3) for j in range(12))
 
     def kernel_schedule(num_tiles, num_stages, num_consumers):
         out = {"producer": [op for j in range(num_tiles) for op in
@@ -638,3 +639,37 @@ def test_gluon_forward_takes_only_a_gluon_producer_for_ws():
         G.gluon_forward(q, q, q, producer=lambda *a: None)
     with pytest.raises(ValueError, match="replaces the 'ws' kernel's producer warp; variant is 'pp'"):
         G.gluon_forward(q, q, q, variant="pp", producer=G._ws_producer)
+
+
+@pytest.mark.parametrize("variant, N, want_grid", [("pp", 4096, (32 * 16,)), ("ppp", 4096, (132,)),
+                                                   ("ppp", 200, (2 * 16,)), ("one", 4096, (32, 16))])
+def test_forward_launch_binds_every_argument_and_sizes_the_grid(monkeypatch, variant, N, want_grid):
+    """gluon_forward's launch on the CPU, the kernels replaced by recorders and the device checks skipped: every
+    parameter is bound once; the two-warpgroup kernel gets B*H and a 1-D grid of work items (2 x 64 query rows of
+    one head each), one program per item, or ("ppp") one per SM, never more than there are items; the others keep
+    the (query blocks, B*H) grid."""
+    import inspect
+
+    import torch
+    G = _gluon_module()
+    calls = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append((grid, inspect.signature(self.fn).bind(*args, **kwargs).arguments))
+            return launch
+
+    monkeypatch.setattr(G, "_check_inputs", lambda *a: None)
+    monkeypatch.setattr(G, "_sm_count", lambda device: 132)
+    for name in ("_attn_fwd_pp", "_attn_fwd"):
+        monkeypatch.setattr(G, name, Recorder(getattr(G, name).fn))
+    B, H, d = 2, 8, 128
+    q, k, v = (torch.zeros(B, H, N, d, dtype=torch.bfloat16) for _ in range(3))
+    G.gluon_forward(q, k, v, variant=variant, causal=True)
+    (grid, args), = calls
+    assert grid == want_grid
+    assert ("BH" in args) == (variant != "one") and args.get("BH", B * H) == B * H and args["CAUSAL"] is True

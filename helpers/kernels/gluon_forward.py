@@ -30,6 +30,10 @@ More variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
   intra-warpgroup overlap, Algorithm 2). ``"pp"`` adds ping-pong: the warpgroups take turns to issue their GEMMs
   (two mbarriers, ``turn``; FA3 uses named barriers), so one's softmax runs under the other's GEMMs. ``"pp128"`` is
   ``"pp"`` with 128 rows per warpgroup (CTA 256 rows), FA3's tile for d = 128 (``PP128_BLOCKS``; it spills there).
+  The kernel loops over work items (2 x BLOCK_M query rows of one head), its ring's phases running on from one item
+  to the next and Q's buffer handed back through a barrier of its own (``q_free``): these variants launch one
+  program per item, ``"ppp"`` one per SM (persistent, as FA3's ``StaticPersistentTileScheduler``), so an item's
+  epilogue overlaps the next item's first loads.
 
 Measured on an H200 (2026-12-01, non-causal, before causal and GQA came in; ``bench/results/gluon_h200.json`` and
 ``gluon_h200_variants.json``): ``"one"`` and ``"ws"`` correct in 20 of 20 harsh cases each, ``"one"`` 0.91-1.03x the
@@ -354,30 +358,60 @@ PP128_BLOCKS = {64: (128, 64, 3), 128: (128, 64, 2)}
 
 
 @gluon.jit
-def _pp_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """One warp that only loads: both warpgroups' Q halves once, then tile j into stage j % NUM_STAGES once both
-    consumers released it."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [q_row, 0], q_bar, q_smem.index(0))
-    _tma_load(q_desc, [q_row + BLOCK_M, 0], q_bar, q_smem.index(1))
-    for j in range(n_tiles):
-        s = j % NUM_STAGES
-        mbarrier.wait(empty.index(s), ((j // NUM_STAGES) & 1) ^ 1)    # lap r waits parity (r+1)%2: lap 0 passes
-        mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [kv_row + j * BLOCK_N, 0], full.index(s), k_smem.index(s))
-        _tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(s), v_smem.index(s))
+def _pp_work(t, n_blocks, N, Nk, group, diag, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item t of the grid-stride loop: (batch·head, first row, Q's row, K/V's row, key tiles). The query block
+    varies fastest, so the items that run side by side read one head's K and V (L2); causal reads the blocks from
+    the end, heaviest first (as _program_ids does for a grid of one item per program). Every partition computes the
+    same values: the producer and both warpgroups must agree on the tile count, or the ring deadlocks."""
+    block = t % n_blocks
+    if CAUSAL:
+        block = n_blocks - 1 - block
+    off_bh = t // n_blocks
+    m_row = block * (2 * BLOCK_M)                                # first row of the item's 2 x BLOCK_M query rows
+    kv_row = (off_bh // group) * Nk                              # its KV head (GQA): b * Hkv + h // group
+    n_tiles = _n_tiles(gl.minimum(m_row + 2 * BLOCK_M, N) - 1, Nk, diag, BLOCK_N, CAUSAL)
+    return off_bh, m_row, off_bh * N + m_row, kv_row, n_tiles
 
 
 @gluon.jit
-def _pp_tiles(lo, hi, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i, l_i, s_zero, offs_m, offs_n, Nk,
-              diag, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key tiles [lo, hi), lo >= 1, of one consumer warpgroup: p_op holds P_{lo-1}, whose P V is still to do."""
+def _pp_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, full, empty, n_blocks, total, N, Nk,
+                 group, diag, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """One warp that only loads, item after item: both warpgroups' Q halves once both released the last item's
+    (q_free), then tile i of the item into stage j % NUM_STAGES, j counting tiles over all the program's items,
+    once both consumers released it. The ring's phases run on across items; so Q's loads and the first K, V tiles
+    of the next item overlap the consumers' epilogue."""
+    base = 0                                                     # tiles loaded by this program before this item
+    w = 0                                                        # items before this one
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        off_bh, m_row, q_row, kv_row, n_tiles = _pp_work(t, n_blocks, N, Nk, group, diag, BLOCK_M, BLOCK_N, CAUSAL)
+        mbarrier.wait(q_free, (w & 1) ^ 1)                       # item 0 passes a fresh barrier
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, 0], q_bar, q_smem.index(0))
+        _tma_load(q_desc, [q_row + BLOCK_M, 0], q_bar, q_smem.index(1))
+        for i in range(n_tiles):
+            j = base + i                                         # the ring's running tile count
+            s = j % NUM_STAGES
+            mbarrier.wait(empty.index(s), ((j // NUM_STAGES) & 1) ^ 1)    # lap r waits parity (r+1)%2: lap 0 passes
+            mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [kv_row + i * BLOCK_N, 0], full.index(s), k_smem.index(s))
+            _tma_load(v_desc, [kv_row + i * BLOCK_N, 0], full.index(s), v_smem.index(s))
+        base += n_tiles
+        w += 1
+
+
+@gluon.jit
+def _pp_tiles(lo, hi, base, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i, l_i, s_zero, offs_m, offs_n,
+              Nk, diag, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, WG: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr,
+              CAUSAL: gl.constexpr):
+    """Key tiles [lo, hi), lo >= 1, of the item, for one consumer warpgroup: p_op holds P_{lo-1}, whose P V is still
+    to do. ``base``: the program's tiles before this item (the ring's count, and the turns', run on)."""
     dtype: gl.constexpr = k_smem.dtype
-    for j in range(lo, hi):
-        s = j % NUM_STAGES                                       # stage of tile j
-        sp = (j - 1) % NUM_STAGES                                # stage of tile j - 1 (its V is still needed)
+    for i in range(lo, hi):
+        j = base + i                                             # the ring's running tile count
+        s = j % NUM_STAGES                                       # stage of tile i
+        sp = (j - 1) % NUM_STAGES                                # stage of tile i - 1 (its V is still needed)
         mbarrier.wait(full.index(s), (j // NUM_STAGES) & 1)      # lap r waits parity r%2
         if PINGPONG:
             mbarrier.wait(turn.index(WG), j & 1)
@@ -386,8 +420,8 @@ def _pp_tiles(lo, hi, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i,
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(1, deps=(qk,))                   # S_j done; P_{j-1} V_{j-1} may still run
-        # the softmax of tile j, under the P V GEMM
-        p, alpha, m_i, l_i = _softmax_tile(qk, m_i, l_i, j, offs_m, offs_n, Nk, diag, qk_scale, BLOCK_N, MASK, CAUSAL)
+        # the softmax of tile i, under the P V GEMM
+        p, alpha, m_i, l_i = _softmax_tile(qk, m_i, l_i, i, offs_m, offs_n, Nk, diag, qk_scale, BLOCK_N, MASK, CAUSAL)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))      # P_{j-1} V_{j-1} done: acc in base m_{j-1}
         mbarrier.arrive(empty.index(sp), count=1)                # both GEMMs that read stage sp are done
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]     # now in base m_j
@@ -396,12 +430,13 @@ def _pp_tiles(lo, hi, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i,
 
 
 @gluon.jit
-def _pp_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, diag, n_tiles,
-                 qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): rows m_row + WG * BLOCK_M of this head, all n_tiles key tiles of the CTA (the
-    producer's count: causal, warpgroup 0's last tiles may lie past its own rows' diagonal and be masked whole), its
-    own epilogue."""
+def _pp_item(q_smem, k_smem, v_smem, q_bar, q_free, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, diag, n_tiles,
+             qk_scale, base, w, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
+    """One work item of consumer warpgroup WG (0 or 1): rows m_row + WG * BLOCK_M of head off_bh, all n_tiles key
+    tiles of the item (the producer's count: causal, warpgroup 0's last tiles may lie past its own rows' diagonal
+    and be masked whole), its own epilogue. ``base``: the program's tiles before this item; ``w``: its items before
+    this one (Q's phase)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -417,16 +452,14 @@ def _pp_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_b
     offs_m = first_row + gl.arange(0, BLOCK_M, layout=row_s)            # [BLOCK_M] rows of this head
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
     n_free = gl.minimum(_n_free(first_row, Nk, diag, BLOCK_N, CAUSAL), n_tiles)   # this warpgroup's unmasked tiles
-    if PINGPONG:
-        if WG == 1:
-            mbarrier.arrive(turn.index(0), count=1)              # warpgroup 0 takes the first turn
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, w & 1)                                  # this item's Q
 
     # tile 0: S_0 alone (no P V yet), then its softmax, masked (it may be on the band)
-    mbarrier.wait(full.index(0), 0)
+    j = base                                                     # the ring's running tile count
+    mbarrier.wait(full.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
     if PINGPONG:
-        mbarrier.wait(turn.index(WG), 0)                         # turn k waits parity k % 2
-    qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)   # [BLOCK_M, BLOCK_N]
+        mbarrier.wait(turn.index(WG), j & 1)                     # turn k waits parity k % 2
+    qk = warpgroup_mma(q_tile, k_smem.index(j % NUM_STAGES).permute((1, 0)), s_zero, use_acc=False)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG), count=1)             # the other warpgroup's turn
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)   # running max (base 2)
@@ -436,38 +469,59 @@ def _pp_consumer(q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_b
 
     # tiles 1.. : off-band, no mask; then the band (causal) and the ragged last tile, masked
     lo = gl.maximum(n_free, 1)
-    acc, p_op, m_i, l_i = _pp_tiles(1, lo, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i, l_i, s_zero,
-                                    offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o, WG, BLOCK_N, NUM_STAGES,
-                                    PINGPONG, False, CAUSAL)
-    acc, p_op, m_i, l_i = _pp_tiles(lo, n_tiles, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i, l_i,
+    acc, p_op, m_i, l_i = _pp_tiles(1, lo, base, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i, l_i,
                                     s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o, WG, BLOCK_N,
+                                    NUM_STAGES, PINGPONG, False, CAUSAL)
+    acc, p_op, m_i, l_i = _pp_tiles(lo, n_tiles, base, q_tile, k_smem, v_smem, full, empty, turn, acc, p_op, m_i,
+                                    l_i, s_zero, offs_m, offs_n, Nk, diag, qk_scale, p_layout, row_o, WG, BLOCK_N,
                                     NUM_STAGES, PINGPONG, True, CAUSAL)
+    mbarrier.arrive(q_free, count=1)                             # every Q K^T of the item is done: Q may be replaced
 
-    last = (n_tiles - 1) % NUM_STAGES
+    last = (base + n_tiles - 1) % NUM_STAGES
     acc = warpgroup_mma(p_op, v_smem.index(last), acc)           # P_{T-1} V_{T-1}, synchronous
     mbarrier.arrive(empty.index(last), count=1)
     _store_rows(O, LSE, acc, m_i, l_i, off_bh, first_row, N, HEAD_DIM, BLOCK_M, o_layout)
 
 
 @gluon.jit
-def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
+def _pp_consumer(q_smem, k_smem, v_smem, q_bar, q_free, full, empty, turn, O, LSE, n_blocks, total, N, Nk, group,
+                 diag, qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup WG: the program's work items in turn (``_pp_item``), the ring's and the turns' counts
+    carried from one item to the next as the producer carries them."""
+    if PINGPONG:
+        if WG == 1:
+            mbarrier.arrive(turn.index(0), count=1)              # warpgroup 0 takes the first turn
+    base = 0
+    w = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        off_bh, m_row, q_row, kv_row, n_tiles = _pp_work(t, n_blocks, N, Nk, group, diag, BLOCK_M, BLOCK_N, CAUSAL)
+        _pp_item(q_smem, k_smem, v_smem, q_bar, q_free, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, diag,
+                 n_tiles, qk_scale, base, w, WG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG, CAUSAL)
+        base += n_tiles
+        w += 1
+
+
+@gluon.jit
+def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale, BH,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+    """FA3's forward: work items of 2 x BLOCK_M query rows of one head, BH heads. A grid of one program per item
+    runs each once ("overlap", "pp", "pp128"); a smaller grid makes the programs persistent ("ppp"): each takes
+    items t, t + programs, ... in turn, so one item's epilogue overlaps the next one's first loads."""
     dtype: gl.constexpr = q_desc.dtype
-    start_m, off_bh = _program_ids(CAUSAL)
-    m_row = start_m * (2 * BLOCK_M)                              # first row of this CTA's 2 x BLOCK_M query rows
-    q_row = off_bh * N + m_row                                   # in q viewed [B*H*N, d]
-    kv_row = (off_bh // group) * Nk                              # its KV head (GQA): b * Hkv + h // group
-    # one tile count for the producer and both warpgroups, from the CTA's last row: they wait on the same stages
-    n_tiles = _n_tiles(gl.minimum(m_row + 2 * BLOCK_M, N) - 1, Nk, diag, BLOCK_N, CAUSAL)
+    n_blocks = gl.cdiv(N, 2 * BLOCK_M)                           # query blocks of a head
+    total = n_blocks * BH                                        # work items
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_free, count=2)                               # completed when both warpgroups are done with Q
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(full.index(i), count=1)                    # completed by the TMA's bytes
         mbarrier.init(empty.index(i), count=2)                   # completed when both warpgroups released it
@@ -476,20 +530,27 @@ def _attn_fwd_pp(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
     fence_async_shared()
 
     gl.warp_specialize([
-        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, diag, n_tiles,
-                        qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG, CAUSAL)),
-        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, full, empty, turn, O, LSE, off_bh, m_row, N, Nk, diag, n_tiles,
-                        qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG, CAUSAL)),
-        (_pp_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
-                        BLOCK_M, BLOCK_N, NUM_STAGES)),
+        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, full, empty, turn, O, LSE, n_blocks, total, N, Nk,
+                        group, diag, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG, CAUSAL)),
+        (_pp_consumer, (q_smem, k_smem, v_smem, q_bar, q_free, full, empty, turn, O, LSE, n_blocks, total, N, Nk,
+                        group, diag, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PINGPONG, CAUSAL)),
+        (_pp_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, full, empty, n_blocks, total,
+                        N, Nk, group, diag, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
     ], [4, 1], [240, 24])
 
     mbarrier.invalidate(q_bar)
+    mbarrier.invalidate(q_free)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(full.index(i))
         mbarrier.invalidate(empty.index(i))
     for i in gl.static_range(2):
         mbarrier.invalidate(turn.index(i))
+
+
+def _sm_count(device):
+    """The GPU's SMs: a persistent grid's size (one CTA per SM: "ppp" takes 224 KiB of shared memory)."""
+    import torch
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _gl_dtype(torch_dtype):
@@ -510,6 +571,7 @@ VARIANTS = {
     "overlap": "a producer warp + two consumer warpgroups, intra-warpgroup overlap (_attn_fwd_pp, PINGPONG=False)",
     "pp": "a producer warp + two consumer warpgroups in ping-pong, intra-warpgroup overlap (_attn_fwd_pp)",
     "pp128": "as pp, each consumer warpgroup owning 128 query rows, the CTA 256 (_attn_fwd_pp, PP128_BLOCKS)",
+    "ppp": "as pp, persistent: a program per SM takes work item after item (_attn_fwd_pp, a grid of the SMs)",
 }
 
 
@@ -519,7 +581,7 @@ def _launch_spec(variant, d, blocks=None, producer=None):
     replaces ``_ws_producer`` in the "ws" kernel (lesson 11's exercise)."""
     if blocks is not None:
         blocks = _check_blocks(blocks)
-    if variant in ("overlap", "pp", "pp128"):
+    if variant in ("overlap", "pp", "pp128", "ppp"):
         bm, bn, st = blocks or (PP128_BLOCKS if variant == "pp128" else PP_BLOCKS)[d]
         return _attn_fwd_pp, (bm, bn, st), {"PINGPONG": variant != "overlap"}, 2 * bm, 4   # + 4 + 1 worker warps
     bm, bn, st = blocks or BLOCKS[d]
@@ -661,7 +723,12 @@ def gluon_forward(q, k, v, sm_scale=None, warp_specialize=False, variant=None, c
     qk_scale = (sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)) * LOG2E.value
     n_blocks = triton.cdiv(N, rows_per_cta)
     grid = (n_blocks, B * H)                                     # causal: _program_ids reads it last block first
-    kernel[grid](q_desc, k_desc, v_desc, o, lse, N, Nk, H // Hkv, diag, qk_scale,
+    runtime = ()
+    if kernel is _attn_fwd_pp:                                   # a grid-stride loop over the work items
+        runtime = (B * H,)
+        items = n_blocks * B * H
+        grid = (min(items, _sm_count(q.device)) if variant == "ppp" else items,)
+    kernel[grid](q_desc, k_desc, v_desc, o, lse, N, Nk, H // Hkv, diag, qk_scale, *runtime,
                  HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=bool(causal), **extra,
                  num_warps=num_warps)
     return o, lse
@@ -686,8 +753,8 @@ def compile_for_sm90(d=128, dtype="bf16", warp_specialize=False, variant=None, c
            "k_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
            "v_desc": f"tensordesc<{dtype}[{BLOCK_N}, {d}],{kv_layout!r}>",
            "O": f"*{dtype}", "LSE": "*fp32", "N": "i32", "Nk": "i32", "group": "i32", "diag": "i32",
-           "qk_scale": "fp32", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "NUM_STAGES": "constexpr", "CAUSAL": "constexpr", **{name: "constexpr" for name in extra},
+           "qk_scale": "fp32", **({"BH": "i32"} if kernel is _attn_fwd_pp else {}),   # pp's items: B*H heads
+           "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "CAUSAL": "constexpr", **{name: "constexpr" for name in extra},
            "num_warps": "constexpr"}
     const = {"HEAD_DIM": d, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "CAUSAL": bool(causal),
              **extra, "num_warps": num_warps}
