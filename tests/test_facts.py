@@ -638,7 +638,8 @@ def test_lesson11_gluon_targets_match_their_records():
 
 def test_lesson11_profile_paragraph_matches_its_record():
     """Lesson 11's "What Nsight Compute shows" carries gluon_profile_h200.json's figures (bench/profile_gluon.py),
-    read through helpers.results.gluon_profile."""
+    read through helpers.results.gluon_profile, and the persistent variant's run beside the one-item grid."""
+    from conftest import ROOT as ROOT_FACTS
     from helpers import results
     p = results.gluon_profile()
     main = {case: v["main"] for case, v in p.items()}
@@ -664,6 +665,15 @@ def test_lesson11_profile_paragraph_matches_its_record():
             f"{main['bwd-cudnn-d64-N4096-causal']['tensor_pct']:.1f}%"):
         assert sentence in text, f"lesson 11 should say: {sentence}"
     assert abs(ratio["bwd-gluon-d128-N16384"] - 7 / 5) < 0.05      # "7/5 = 1.4 is what the record shows"
+    import json
+    ppp = json.loads((ROOT_FACTS / "bench" / "results" / "logs" / "gluon_ppp_2026-12-01.json").read_text())["rows"]
+    assert len(ppp) == 16 and all(r["gluon_ppp_pass"] and r["gluon_auto_pass"] for r in ppp)
+    for causal in (True, False):
+        xs = [r["gluon_ppp_tflops"] / r["gluon_auto_tflops"] for r in ppp if r["causal"] == causal]
+        span = f"{min(xs):.2f}–{max(xs):.2f}× " + ("the one-item grid on the causal rows" if causal else "on the others")
+        assert span in text, f"lesson 11 should say: {span}"
+        if causal:
+            assert f"{min(xs):.2f}–{max(xs):.2f}× the one-item grid on causal rows" in readme
     from conftest import ROOT
     readme = _flat((ROOT / "README.md").read_text())
     for sentence in (
