@@ -93,7 +93,12 @@ check-notebooks: setup  ## run every learner notebook; exercises show "not attem
 e2e: setup  ## every notebook run in JupyterLab in headless Chromium, on a copy (screenshots: artifacts/e2e/)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist worksteal e2e
 
-check: test check-solutions check-notebooks e2e  ## everything CI runs: unit tests, nbval over solutions/ and notebooks/, e2e
+# Each learner copy runs once in `make check`: in JupyterLab by `make e2e` (which checks what nbval does, no error,
+# and more: nothing on stderr, figures, widgets, a ⏳ per exercise) where e2e is required (COURSE_E2E_REQUIRED=1,
+# as in CI: no browser is a failure there), and by nbval too elsewhere, where e2e skips without a browser.
+LEARNER_CHECK := $(if $(filter 1,$(COURSE_E2E_REQUIRED)),,check-notebooks)
+
+check: test check-solutions $(LEARNER_CHECK) e2e  ## everything CI runs: unit tests, nbval over solutions/ (and notebooks/ unless e2e is required), e2e
 
 check-gpu:  ## (CUDA GPU) kernel and checker tests natively, every notebook in a real Jupyter kernel; writes bench/results/check_gpu.json
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/check_gpu.py

@@ -50,7 +50,7 @@ GRADED_TODO = ("01_online_softmax", "09_ring_attention")
 
 def test_untouched_learner_notebooks_are_all_todo_and_unchanged(tmp_path, capsys, monkeypatch):
     """Grade reads untouched learner notebooks (GRADED_TODO, above) as all ⏳ and writes nothing.
-    Every learner notebook running with its exercises ⏳ is nbval's job (make check-notebooks).
+    Every learner notebook running with its exercises ⏳ is e2e's job (and nbval's where e2e may skip).
     As `make grade` runs: no TRITON_INTERPRET in the environment (the course chooses the mode itself)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     work = tmp_path / "notebooks"

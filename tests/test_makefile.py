@@ -114,3 +114,16 @@ def test_this_venvs_jupyterlab_starts_without_the_news_popup(tmp_path):
     # "none" (JupyterLab's own default) pops up "Would you like to get notified about official Jupyter news?"
     assert defaults["fetchNews"] == "false" and defaults["checkForUpdates"] is False, \
         "this venv's JupyterLab lacks the course's overrides: run `make setup`"
+
+
+@pytest.mark.parametrize("required, nbval_learner", [("1", False), ("", True), ("0", True)])
+def test_check_runs_each_learner_copy_once_where_e2e_is_required(course, required, nbval_learner):
+    """`make check` runs the learner copies by nbval only where e2e may skip (no COURSE_E2E_REQUIRED=1); e2e and
+    nbval over solutions/ always."""
+    _setup_done(course, CUDA_SPEC)
+    dry = _make(course, "check", f"COURSE_E2E_REQUIRED={required}").stdout
+    lines = dry.splitlines()
+    assert any(re.search(r"pytest .*--nbval-lax.* notebooks$", ln) for ln in lines) == nbval_learner, dry
+    assert any(ln.rstrip().endswith(" e2e") for ln in lines), dry                  # e2e always
+    assert sum("COURSE_STRICT=1" in ln and "--nbval-lax" in ln for ln in lines) + \
+        sum(ln.startswith("COURSE_STRICT=1 COURSE_TEST_HIDE") for ln in lines) == 2, dry   # nbval over solutions/
