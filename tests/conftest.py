@@ -57,6 +57,23 @@ def not_strict(monkeypatch):
     monkeypatch.delenv("COURSE_STRICT", raising=False)
 
 
+class LaunchRecorder:
+    """A kernel's stand-in for its launcher's tests on the CPU: ``kernel[grid](*args, **kwargs)`` binds the arguments
+    to the kernel's own signature (TypeError for one missing or extra) and appends (name, grid, bound arguments) to
+    ``calls``."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        import inspect
+
+        def launch(*args, **kwargs):
+            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+            self.calls.append((self.fn.__name__, grid, bound.arguments))
+        return launch
+
+
 def rejects(checker, fn, *hint_words):
     """Assert that ``checker(fn)`` fails and that its message holds every one of ``hint_words``."""
     from helpers.checking import CheckFailure

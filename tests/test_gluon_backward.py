@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, LaunchRecorder
 from test_lesson11 import _gluon_hopper_api
 
 _COMPILE = """
@@ -188,26 +188,13 @@ def test_host_path_binds_every_kernel_argument(monkeypatch, causal, mode):
     every parameter of each kernel is bound exactly once, the grids are the documented ones (causal: heaviest
     first), the TMA descriptors' boxes are the tiles, and atomic dQ launches no dQ kernel and returns the cast of a
     zeroed fp32 buffer."""
-    import inspect
-
     import torch
     from helpers.kernels import backward
     G = _module()
     calls = []
-
-    class Recorder:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                bound = inspect.signature(self.fn).bind(*args, **kwargs)      # TypeError: missing or extra
-                calls.append((self.fn.__name__, grid, bound.arguments))
-            return launch
-
     monkeypatch.setattr(G, "_check_backward_inputs", lambda *a: None)
     for mod, name in ((G, "_bwd_dkdv"), (G, "_bwd_dq"), (backward, "_bwd_preprocess")):
-        monkeypatch.setattr(mod, name, Recorder(getattr(mod, name).fn))
+        monkeypatch.setattr(mod, name, LaunchRecorder(getattr(mod, name).fn, calls))
     B, H, Hkv, N, Nk, d = 2, 8, 2, 1000, 300, 128
     bf = dict(dtype=torch.bfloat16)
     q, o, do = (torch.zeros(B, H, N, d, **bf) for _ in range(3))

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import ROOT, notebook_namespace, rejects
+from conftest import ROOT, LaunchRecorder, notebook_namespace, rejects
 from helpers import check
 from helpers import lesson11 as L
 from helpers.lesson11 import compute, load, release, wait_empty, wait_full
@@ -647,28 +647,16 @@ def test_forward_launch_binds_every_argument_and_sizes_the_grid(monkeypatch, var
     parameter is bound once; the two-warpgroup kernel gets B*H and a 1-D grid of work items (2 x 64 query rows of
     one head each), one program per item, or ("ppp") one per SM, never more than there are items; the others keep
     the (query blocks, B*H) grid."""
-    import inspect
-
     import torch
     G = _gluon_module()
     calls = []
-
-    class Recorder:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                calls.append((grid, inspect.signature(self.fn).bind(*args, **kwargs).arguments))
-            return launch
-
     monkeypatch.setattr(G, "_check_inputs", lambda *a: None)
     monkeypatch.setattr(G, "_sm_count", lambda device: 132)
     for name in ("_attn_fwd_pp", "_attn_fwd"):
-        monkeypatch.setattr(G, name, Recorder(getattr(G, name).fn))
+        monkeypatch.setattr(G, name, LaunchRecorder(getattr(G, name).fn, calls))
     B, H, d = 2, 8, 128
     q, k, v = (torch.zeros(B, H, N, d, dtype=torch.bfloat16) for _ in range(3))
     G.gluon_forward(q, k, v, variant=variant, causal=True)
-    (grid, args), = calls
+    (_, grid, args), = calls
     assert grid == want_grid
     assert ("BH" in args) == (variant != "one") and args.get("BH", B * H) == B * H and args["CAUSAL"] is True
