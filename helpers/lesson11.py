@@ -27,7 +27,7 @@ __all__ = ["wait_full", "wait_empty", "load", "compute", "release", "agents", "V
            "PROFILES", "first_violation", "fa3_schedule_ref", "expected_parity", "count_forward_ops",
            "softmax_share", "PAPER", "plot_timeline", "tensor_core_busy", "require_hopper", "hopper_here",
            "NO_HOPPER", "show_recorded_hopper", "bench_gluon_live", "gluon_api", "trace_producer", "TraceError",
-           "PRODUCER_ARGS", "producer_source", "compile_producer_for_sm90"]
+           "PRODUCER_ARGS", "producer_source", "compile_producer_for_sm90", "gluon_here"]
 
 
 # ------------------------------------------------------------------ the operations of a schedule
@@ -695,10 +695,16 @@ def gluon_api():
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-        tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+        from .kernels.gluon_forward import _tma_load as tma_load     # the kernels' own version shim
         return gluon, gl, mbarrier, tma, tma_load
     except ImportError:
         return _STAND_INS
+
+
+def gluon_here() -> bool:
+    """True when this Triton has Gluon's Hopper API (a kernel can be compiled for sm_90 here)."""
+    return gluon_api() is not _STAND_INS
 
 
 _tma_stand_in = _NotHere("tma")
@@ -837,16 +843,8 @@ def trace_producer(producer, n_tiles, num_stages, block_n=64, d=64, q_row=0, kv_
         raise TraceError(f"{producer!r} is not a function defined with def (decorate it with @gluon.jit)")
     rec = _Recorder(limit)
     fakes = {"mbarrier": _fake_module(rec, "mbarrier"), "tma": _fake_module(rec, "tma"), "gl": _fake_module(rec, "gl")}
-    real = gluon_api()                                           # the modules the learner's globals may hold
-    by_id = {id(real[1]): fakes["gl"], id(real[2]): fakes["mbarrier"], id(real[3]): fakes["tma"],
-             id(real[4]): rec.load}
-    try:
-        from triton.experimental.gluon.language.nvidia.hopper import tma as _tma
-        for name in ("async_load", "async_copy_global_to_shared"):
-            if hasattr(_tma, name):
-                by_id[id(getattr(_tma, name))] = rec.load
-    except ImportError:
-        pass
+    _, gl, mbarrier, tma, tma_load = gluon_api()                # the objects the learner's globals may hold
+    by_id = {id(gl): fakes["gl"], id(mbarrier): fakes["mbarrier"], id(tma): fakes["tma"], id(tma_load): rec.load}
     env = dict(fn.__globals__)
     for name, value in fn.__globals__.items():
         if id(value) in by_id:

@@ -585,8 +585,6 @@ def test_producer_traces_without_triton(tmp_path, monkeypatch, strict, capsys):
     """macOS, Windows: the exercise's names are stand-ins; the trace and the simulator still judge it."""
     monkeypatch.setattr(L, "gluon_api", lambda: L._STAND_INS)
     monkeypatch.setattr(L, "hopper_here", lambda: "no Triton, so no Gluon kernel runs")
-    import helpers.check.lesson11 as C
-    monkeypatch.setattr(C, "_gluon_here", lambda: "no Triton with Gluon here")
     producer = _producer(tmp_path, stand_ins=True)
     assert isinstance(producer, L._StandInJit)
     check.fa3_producer(producer)

@@ -326,19 +326,10 @@ def _producer_ops(events, n_tiles, num_stages, block_n, q_row, kv_row):
     return ops
 
 
-def _gluon_here() -> str:
-    """'' when this Triton has Gluon's Hopper API (the compile can run), else why not."""
-    try:
-        from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma  # noqa: F401
-    except ImportError:
-        return "no Triton with Gluon here"
-    return ""
-
-
 @exercise("fa3_producer", arg_names=_PRODUCER_ARGS,
           reference="Hopper's mbarrier rule (helpers.lesson11.simulate) and float64 attention")
 def fa3_producer(g):
-    from ..lesson11 import TraceError, fa3_schedule_ref, hopper_here, trace_producer
+    from ..lesson11 import TraceError, fa3_schedule_ref, gluon_here, hopper_here, trace_producer
     producer = g.learner_fn
     cases = _producer_cases()
 
@@ -371,9 +362,9 @@ def fa3_producer(g):
                f"{len(PROFILES)} timings, every TMA copy from the right row into the right stage with its bytes expected")
     if not hopper_here():                                        # an sm_90 GPU: run it for real
         return summary + "; " + _run_natively(g, producer)
-    why = _gluon_here()
-    if why:
-        return summary + f" ({why}: the compile for sm_90 needs Linux with Triton >= 3.6, the native run an sm_90 GPU)"
+    if not gluon_here():
+        return summary + (" (no Triton with Gluon here: the compile for sm_90 needs Linux with Triton >= 3.6, the "
+                          "native run an sm_90 GPU)")
     from ..lesson11 import compile_producer_for_sm90
     built = compile_producer_for_sm90(producer)
     if not built["ok"]:
