@@ -50,7 +50,6 @@ def one(case):
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     if who == "gluon":
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from helpers.kernels.gluon_backward import gluon_backward
         from helpers.kernels.gluon_forward import gluon_forward
         o, lse = gluon_forward(q, k, v, variant="auto", causal=causal)
