@@ -40,20 +40,17 @@ Every ``g.measure(case)`` is also held to a working-memory budget (``Budget``; t
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import math
 import os
-import signal
-import threading
-import time
 import traceback
 from dataclasses import dataclass, field
-from importlib import _bootstrap
 from pathlib import Path
 
 import torch
+
+from .timelimit import TIMEOUT_ENV, CaseTimeout, call_with_limit, case_timeout, time_limited
 
 __all__ = ["CheckFailure", "CaseTimeout", "Case", "Grader", "exercise", "REGISTRY", "strict", "Bug",
            "yours_or_reference", "passed", "case_timeout", "call_with_limit", "Budget",
@@ -71,11 +68,6 @@ class _NotAttempted(Exception):
     pass
 
 
-class CaseTimeout(BaseException):
-    """Raised inside a learner's function that ran past ``COURSE_CASE_TIMEOUT`` seconds.
-
-    A ``BaseException``, so a learner's ``except Exception:`` does not swallow it.
-    """
 
 
 def strict() -> bool:
@@ -247,131 +239,6 @@ def _same(a, b) -> bool:
     return True
 
 
-# ------------------------------------------------------------------ the per-case time limit
-TIMEOUT_ENV = "COURSE_CASE_TIMEOUT"
-DEFAULT_CASE_TIMEOUT = 60.0
-_limit_state = threading.local()
-
-
-def case_timeout() -> float | None:
-    """Seconds one call of a learner's function may take (``COURSE_CASE_TIMEOUT``, default 60; None: no limit)."""
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_CASE_TIMEOUT
-    try:
-        seconds = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds, e.g. 60 "
-                         "(0 turns the limit off)") from None
-    return seconds if seconds > 0 and math.isfinite(seconds) else None
-
-
-def _async_raise(thread_id: int, exc) -> None:
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
-
-
-def _importing(before=frozenset()) -> bool:
-    """True while a module is being imported (by any thread), other than those whose import was already under
-    way when the limit was armed (``before``: a check run by a module's own import must still be stopped):
-    the limit waits, so that it never leaves a module half loaded (``torch._dynamo``, ``sympy``: a learner's
-    session would stay broken)."""
-    return bool(set(_bootstrap._module_locks) - before)
-
-
-_RETRY = 0.05   # seconds: how soon the limit tries again when it found an import under way
-
-
-def _use_signal() -> bool:
-    """SIGALRM where there is one (Linux, macOS) and this is the main thread: it also stops a long C call."""
-    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-
-
-def call_with_limit(fn, *args, limit: float | None = None, **kwargs):
-    """``fn(*args, **kwargs)``, raising ``CaseTimeout`` in this thread once it has run ``limit`` seconds.
-
-    ``limit`` defaults to ``case_timeout()``. Nested calls on one thread share the outer limit.
-    On the main thread of Linux and macOS a ``SIGALRM`` timer raises it, which also interrupts a
-    blocking C call (``time.sleep``, a read); elsewhere (Windows, other threads) a timer thread does,
-    at the next Python bytecode. Either way the exception is held back while an import is under way.
-    """
-    limit = case_timeout() if limit is None else limit
-    if not limit or getattr(_limit_state, "active", False):
-        return fn(*args, **kwargs)
-    if _use_signal():
-        return _call_with_alarm(fn, args, kwargs, limit)
-    thread_id = threading.get_ident()
-    lock = threading.Lock()
-    state = {"running": True, "fired": False, "timer": None}
-    before = frozenset(_bootstrap._module_locks)
-
-    def fire():
-        with lock:
-            if not state["running"]:
-                return
-            if _importing(before):
-                state["timer"] = threading.Timer(_RETRY, fire)
-                state["timer"].daemon = True
-                state["timer"].start()
-                return
-            state["fired"] = True
-            _async_raise(thread_id, CaseTimeout)
-
-    state["timer"] = threading.Timer(limit, fire)
-    state["timer"].daemon = True
-    _limit_state.active = True
-    state["timer"].start()
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        with lock:
-            state["running"] = False
-            fired = state["fired"]
-            state["timer"].cancel()
-        _limit_state.active = False
-        if fired:                    # the exception may still be pending: clear it and raise it here, once
-            _async_raise(thread_id, None)
-            raise CaseTimeout
-
-
-def _call_with_alarm(fn, args, kwargs, limit):
-    state = {"running": True}
-    before = frozenset(_bootstrap._module_locks)
-
-    def on_alarm(signum, frame):
-        if not state["running"]:
-            return
-        if _importing(before):
-            signal.setitimer(signal.ITIMER_REAL, _RETRY)
-            return
-        state["running"] = False
-        raise CaseTimeout
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    start = time.monotonic()
-    outer = signal.setitimer(signal.ITIMER_REAL, limit)     # (seconds left, interval) of a timer set before
-    _limit_state.active = True
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        state["running"] = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        _limit_state.active = False
-        if outer[0] > 0:                                    # someone else's alarm: put it back
-            signal.setitimer(signal.ITIMER_REAL, max(outer[0] - (time.monotonic() - start), 1e-3), outer[1])
-
-
-def _time_limited(fn):
-    """``fn`` with the per-case time limit on every call (the checkers call the learner's function through it)."""
-    if fn is None or not callable(fn):
-        return fn
-
-    @functools.wraps(fn)
-    def limited(*args, **kwargs):
-        return call_with_limit(fn, *args, **kwargs)
-    return limited
-
-
 def _where_in_learner_code(tb) -> str:
     """The last frame of the traceback that is not in helpers/ or in torch: the learner's line."""
     frames = [f for f in traceback.extract_tb(tb)
@@ -393,7 +260,7 @@ class Grader:
         self.budget = budget or default_budget   # callable(case) -> Budget | None: the exercise's budget
         self._memory_due = []                    # (case, fn, budget) of each g.measure, for finish()
         self.learner_fn = fn                 # the function as the learner passed it
-        self.fn = _time_limited(fn)          # the same, with the per-case time limit on each call
+        self.fn = time_limited(fn)          # the same, with the per-case time limit on each call
         self.case = None
         self.cases = 0
         self.returned = 0                    # calls of the learner's function that returned

@@ -455,7 +455,7 @@ def lesson07_jobs(cc, dtypes):
         jobs.append(Job("notebook 07 decode_combine", f"{dtype} d=128 BLOCK_S=64", combine))
 
         def probe(dtype=dtype):
-            from helpers.check import lesson07 as c7
+            from helpers.lesson07 import check as c7
             fn = c7._probe(ns["attn_inner"])
             sig, const, attrs = signature(fn, dict(Q=dtype, K=dtype, V=dtype, O="fp32", LSE="fp32", ROW0="i32"),
                                           ("qk_scale",), dict(D=16, BLOCK_M=16, BLOCK_N=16))
@@ -476,7 +476,7 @@ def lesson08_jobs(cc, dtypes):
     for dtype in dtypes:
         for d in (32, 64) if more and dtype == "fp16" else (32,):  # the checker's largest d (32); 64
             def build(dtype=dtype, d=d):
-                from helpers.lesson08_dkdv import _teach_dkdv as fn
+                from helpers.lesson08.dkdv import _teach_dkdv as fn
                 ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK=dtype, DV=dtype)
                 sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale"), dict(
                     INNER=ns["dkdv_inner"], HEAD_DIM=d, BLOCK_M=64, BLOCK_N=64, CAUSAL=True), ints16=("N", "Nk"))
@@ -484,7 +484,7 @@ def lesson08_jobs(cc, dtypes):
             jobs.append(Job("lesson 08 dkdv_teaching + notebook dkdv_inner", f"{dtype} d={d} causal 64x64", build))
 
         def lo_probe(dtype=dtype):
-            from helpers.check import lesson08_gpu as c8
+            from helpers.lesson08 import check_gpu as c8
             fn = c8._lo_probe()
             ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK="fp32", DV="fp32")
             sig, const, attrs = signature(fn, ptrs, ("qk_scale",), dict(

@@ -260,7 +260,7 @@ def test_profile_gluon_reads_ncu_csv_kernel_by_kernel():
     rows = P.parse(text)
     assert rows == [{"kernel": "_bwd_dkdv", "ns": 2e6, "tensor_pct": 63.2},
                     {"kernel": "cudnn::convert_dq_to_16bits<1>", "ns": 1000.0, "grid": 32768.0}]
-    from helpers import results
+    from helpers.lesson11 import records as results
     rec = {"meta": {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "date": "2026-12-01", "tool": "ncu"},
            "rows": [{"case": "bwd-gluon-d128-N16384", "kernels": rows[:1], "ms": 2.0},
                     {"case": "bwd-cudnn-d128-N16384", "kernels": [dict(rows[0], ns=1e6)], "ms": 1.0}]}

@@ -339,10 +339,12 @@ def test_the_limit_never_interrupts_an_import(tmp_path, limit):
 def test_the_timer_thread_also_waits_for_an_import(monkeypatch):
     """Off the main thread (and on Windows) the limit is a timer thread; it too holds back during an import."""
     import threading
-    monkeypatch.setattr(checking, "_use_signal", lambda: False)
+
+    from helpers import timelimit
+    monkeypatch.setattr(timelimit, "_use_signal", lambda: False)
     seen = {}
     calls = iter([True, True, False])
-    monkeypatch.setattr(checking, "_importing", lambda before=frozenset(): next(calls, False))
+    monkeypatch.setattr(timelimit, "_importing", lambda before=frozenset(): next(calls, False))
 
     def spin():
         t0 = time.monotonic()

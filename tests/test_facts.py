@@ -392,9 +392,9 @@ def test_lesson08_gqa_breaks_one_writer_per_dk_row():
 
 
 def test_lesson08_figures_carry_their_machine_and_numbers():
-    from helpers import lesson08_gpu
-    rec = lesson08_gpu.load_training()
-    summary = lesson08_gpu.training_summary(rec)
+    from helpers.lesson08 import gpu_section
+    rec = gpu_section.load_training()
+    summary = gpu_section.training_summary(rec)
     f, s_ = rec["runs"]["flash"]["tokens_per_s"], rec["runs"]["sdpa"]["tokens_per_s"]
     assert f"{f:.0f} vs {s_:.0f} tokens/s" in summary
     label = f"{rec['device_name']}, torch {rec['torch']}, triton {rec['triton']}, {rec['date']}"
@@ -505,7 +505,7 @@ def test_interview_answers_carry_what_a_strong_answer_has(name, must):
 
 def test_lesson11_fa3_variant_figures_match_their_record():
     """Lesson 11's sentence on FA3's ping-pong kernel carries the ratios of bench/results/gluon_h200_variants.json."""
-    from helpers import results
+    from helpers.lesson11 import records as results
     rec = results.load_gluon(results.GLUON_FA3)
     rows = rec["rows"]
     assert rows and all(r["gluon_pp_pass"] and r["gluon_overlap_pass"] for r in rows)
@@ -595,7 +595,7 @@ def test_lesson11_gluon_targets_match_their_records():
     gluon_backward_h200.json's figures (recomputed from their rows by helpers.results.gluon_targets)."""
     import json
     from conftest import ROOT
-    from helpers import results
+    from helpers.lesson11 import records as results
     t = results.gluon_targets()
     fwd, bwd = t["forward"], t["backward"]
     assert fwd["rows"] == 16 and bwd["rows"] == 16
@@ -640,7 +640,7 @@ def test_lesson11_profile_paragraph_matches_its_record():
     """Lesson 11's "What Nsight Compute shows" carries gluon_profile_h200.json's figures (bench/profile_gluon.py),
     read through helpers.results.gluon_profile, and the persistent variant's run beside the one-item grid."""
     from conftest import ROOT as ROOT_FACTS
-    from helpers import results
+    from helpers.lesson11 import records as results
     p = results.gluon_profile()
     main = {case: v["main"] for case, v in p.items()}
     ratio = {case: p[case]["ms"] / p[case.replace("-gluon-", "-cudnn-")]["ms"] for case in p if "-gluon-" in case}

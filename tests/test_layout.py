@@ -1,20 +1,20 @@
-"""The house's layout, held by a test: who may import whom (CONTRIBUTING.md, "Layout").
+"""The house's layout, held by a test: one folder per lesson, the framework and the kernels apart, and who may
+import whom (CONTRIBUTING.md, "The house").
 
 Imports are read with ``ast`` (module level and inside functions alike), never run. From the bottom up:
 
-- ``helpers/__init__.py`` and ``helpers/triton_mode.py``: the bottom; the package imports only
-  ``triton_mode``, which imports nothing of the course;
-- shared modules (``reference``, ``results``, ``meter``, ``meter_python``, ``checking``, ``ring_launcher``,
-  ``widgets``, ``generate``, ``grade``): import only the bottom and each other;
-- kernels (the ``helpers/kernels/`` package): nothing from ``check/``, a lesson module or ``checking``;
-- the old kernel paths (``helpers/triton_attention.py``, ``_bwd``, ``_varlen``, ``_kvcache``): re-exports kept for
-  notebooks saved before the kernels moved; nothing in the course imports them;
-- lesson modules (``helpers/lessonNN*.py``): no checker; another lesson's module only where it is listed
-  in ``LESSON_TO_LESSON`` (a list that may only shrink: a new shared piece goes to a shared module);
-- checkers (``helpers/check/``): never another lesson's checker; a lesson module of their own lesson or an
-  earlier one;
-- ``bench/`` and ``tests/`` on top: nothing in ``helpers/`` imports them;
-- no import cycles among the modules of ``helpers/``.
+- the bottom, ``helpers/__init__.py`` and ``helpers/triton_mode.py``: the package imports only ``triton_mode``,
+  which imports nothing of the course;
+- the framework (``FRAMEWORK``: grading, the time limit, the checkers' shared cases, the meter, the references,
+  the record readers, widgets, the generator, ``make grade``): the bottom and each other only;
+- the kernels (``helpers/kernels/``): the bottom, ``reference`` and each other; never a lesson or the grading;
+- a lesson (``helpers/lessonNN/``: its plain functions in ``__init__``, its checker in ``check.py``, its other
+  pieces beside them): the bottom, the framework, the kernels and its own folder; an earlier lesson's plain
+  functions only where ``LESSON_TO_LESSON`` lists it (a list that may only shrink); a lesson's plain modules never
+  import a checker, and no checker imports another lesson's checker;
+- ``helpers/check.py`` on top of ``helpers/``: it only gathers the lessons' checkers;
+- ``bench/`` and ``tests/`` above it all: nothing in ``helpers/`` imports them;
+- no import cycles, no module outside ``helpers/kernels/`` over ``MAX_LINES`` lines.
 """
 from __future__ import annotations
 
@@ -26,17 +26,20 @@ import pytest
 from conftest import ROOT
 
 HELPERS = ROOT / "helpers"
+MAX_LINES = 800
 BOTTOM = {"helpers", "helpers.triton_mode"}
-SHARED = {f"helpers.{m}" for m in ("reference", "results", "meter", "meter_python", "checking", "ring_launcher",
-                                   "widgets", "generate", "grade")}
-COMPAT = {f"helpers.{m}" for m in ("triton_attention", "triton_attention_bwd", "triton_varlen", "triton_kvcache")}
+FRAMEWORK = {f"helpers.{m}" for m in ("checking", "timelimit", "cases", "meter", "meter_python", "reference",
+                                      "results", "widgets", "generate", "grade", "progress")}
+GATHER = "helpers.check"
 ABOVE_HELPERS = {"bench", "tests", "conftest", "common"}      # bench/ scripts import bench/common.py as `common`
-# Lessons that import another lesson's module today. Move a shared piece to a shared module instead of adding here.
+# A lesson that builds on an earlier lesson's plain functions. Move a piece two lessons share to the framework
+# instead of adding here.
 LESSON_TO_LESSON = {
     ("helpers.lesson05", "helpers.lesson04"),      # tiled_masked_attention, behind a figure
     ("helpers.lesson08", "helpers.lesson04"),      # the tile grid and its visibility
     ("helpers.lesson08", "helpers.lesson06"),      # the H200's datasheet FLOP/s and bytes/s
 }
+LESSON = re.compile(r"helpers\.lesson(\d\d)(\.\w+)?")
 
 
 def _name(path) -> str:
@@ -74,36 +77,54 @@ def _course(mod: str) -> dict[str, int]:
     return {m: line for m, line in _imports(mod).items() if m in MODULES and m != mod}
 
 
+def _lesson(mod: str) -> int | None:
+    m = LESSON.fullmatch(mod)
+    return int(m.group(1)) if m else None
+
+
+def _is_checker(mod: str) -> bool:
+    return _lesson(mod) is not None and mod.rpartition(".")[2].startswith("check")
+
+
 def _kind(mod: str) -> str:
-    last = mod.rpartition(".")[2]
     if mod in BOTTOM:
         return "bottom"
-    if mod in SHARED:
-        return "shared"
-    if mod.startswith("helpers.kernels"):
+    if mod in FRAMEWORK:
+        return "framework"
+    if mod == GATHER:
+        return "gather"
+    if mod == "helpers.kernels" or mod.startswith("helpers.kernels."):
         return "kernel"
-    if mod in COMPAT:
-        return "compat"
-    if mod.startswith("helpers.check"):
-        return "check"
-    if mod.count(".") == 1 and re.fullmatch(r"lesson\d\d\w*", last):
-        return "lesson"
+    if _lesson(mod) is not None:
+        return "checker" if _is_checker(mod) else "lesson"
     return "unknown"
-
-
-def _lesson(mod: str) -> int | None:
-    m = re.fullmatch(r"lesson(\d\d)\w*", mod.rpartition(".")[2])
-    return int(m.group(1)) if m else None
 
 
 def _by_kind(kind):
     return [m for m in MODULES if _kind(m) == kind]
 
 
+def _where(mod, m, line):
+    return f"{MODULES[mod].relative_to(ROOT)}:{line} imports {m}"
+
+
 def test_every_module_has_a_place():
     """A new module under helpers/ is given a layer here (and in CONTRIBUTING's picture) before it is used."""
     assert not [m for m in MODULES if _kind(m) == "unknown"]
-    assert _by_kind("kernel") and _by_kind("lesson") and _by_kind("check")     # the globs still find them
+    assert _by_kind("kernel") and _by_kind("lesson") and _by_kind("checker")     # the globs still find them
+
+
+def test_one_folder_per_lesson():
+    """Every lesson of solutions/ has its folder helpers/lessonNN/ with its plain functions and its checker; no
+    lesson code stands outside it (no helpers/lessonNN_*.py, no checker folder of its own)."""
+    numbers = sorted(p.name[:2] for p in ROOT.glob("solutions/[0-9][0-9]_*.ipynb"))
+    assert numbers
+    for nn in numbers:
+        folder = HELPERS / f"lesson{nn}"
+        assert (folder / "__init__.py").is_file() and (folder / "check.py").is_file(), folder
+    stray = [p.relative_to(ROOT) for p in HELPERS.glob("*.py") if re.match(r"lesson\d\d", p.name)]
+    assert not stray, f"lesson code outside its folder: {stray}"
+    assert not (HELPERS / "check").exists(), "helpers/check/ is gone: a lesson's checker is helpers/lessonNN/check.py"
 
 
 @pytest.mark.parametrize("mod", sorted(MODULES))
@@ -117,58 +138,42 @@ def test_the_bottom_imports_nothing_above_it():
     assert not _course("helpers.triton_mode"), _course("helpers.triton_mode")
 
 
-@pytest.mark.parametrize("mod", sorted(SHARED & set(MODULES)))
-def test_shared_modules_import_only_shared_ones(mod):
-    bad = {m: line for m, line in _course(mod).items() if _kind(m) not in ("bottom", "shared")}
-    assert not bad, f"{MODULES[mod].relative_to(ROOT)} imports {bad}: a shared module sits below lessons, checkers, kernels"
+@pytest.mark.parametrize("mod", sorted(FRAMEWORK & set(MODULES)))
+def test_the_framework_imports_only_the_framework(mod):
+    bad = {m: line for m, line in _course(mod).items() if _kind(m) not in ("bottom", "framework")}
+    assert not bad, f"{MODULES[mod].relative_to(ROOT)} imports {bad}: the framework sits below lessons and kernels"
 
 
-def test_kernels_import_no_checker_lesson_or_grading():
+def test_kernels_import_no_lesson_and_no_grading():
     for mod in _by_kind("kernel"):
-        bad = {m: line for m, line in _course(mod).items()
-               if _kind(m) in ("check", "lesson") or m == "helpers.checking"}
-        assert not bad, f"{MODULES[mod].relative_to(ROOT)} imports {bad}: a kernel stands on its own"
-
-
-def test_old_kernel_paths_only_re_export_and_nothing_imports_them():
-    """helpers/triton_*.py (but triton_mode) re-export the kernels' public names for learners' older notebooks;
-    the course itself imports from helpers.kernels (tests/test_kernels_moved.py checks the re-exports)."""
-    assert COMPAT <= set(MODULES)
-    for mod in COMPAT:
-        tree = ast.parse(MODULES[mod].read_text())
-        body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
-        assert all(isinstance(n, (ast.ImportFrom, ast.Assign)) for n in body), f"{mod} does more than re-export"
-    for mod in MODULES:
-        bad = {m: line for m, line in _course(mod).items() if m in COMPAT}
-        assert not bad, f"{MODULES[mod].relative_to(ROOT)} imports {bad}: import from helpers.kernels"
-    old = re.compile(r"helpers[./](triton_attention|triton_varlen|triton_kvcache)\b")
-    for path in [*ROOT.glob("bench/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("solutions/*.ipynb")]:
-        if path.name not in ("test_layout.py", "test_kernels_moved.py"):
-            hits = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if old.search(line)]
-            assert not hits, f"{path.relative_to(ROOT)} lines {hits} name an old kernel path: use helpers/kernels/"
-
-
-def test_lessons_import_no_checker_and_no_other_lesson():
-    for mod in _by_kind("lesson"):
         for m, line in _course(mod).items():
-            where = f"{MODULES[mod].relative_to(ROOT)}:{line} imports {m}"
-            assert _kind(m) != "check", f"{where}: checkers sit above the lessons"
-            if _kind(m) == "lesson" and _lesson(m) != _lesson(mod):
-                assert (mod, m) in LESSON_TO_LESSON, f"{where}: a piece two lessons share goes to a shared module"
-                assert _lesson(m) < _lesson(mod), f"{where}: a lesson builds on earlier lessons only"
-    for mod, m in LESSON_TO_LESSON:          # the list only shrinks: an entry nobody needs goes
-        assert m in _course(mod), f"{mod} no longer imports {m}: remove it from LESSON_TO_LESSON"
+            assert _kind(m) in ("bottom", "kernel") or m == "helpers.reference", \
+                f"{_where(mod, m, line)}: a kernel stands on its own (the bottom, reference and other kernels)"
 
 
-def test_no_checker_imports_another_lessons_checker():
-    for mod in _by_kind("check"):
+def test_lessons_import_their_own_folder_and_earlier_lessons_only_where_listed():
+    for mod in _by_kind("lesson") + _by_kind("checker"):
         n = _lesson(mod)
         for m, line in _course(mod).items():
-            where = f"{MODULES[mod].relative_to(ROOT)}:{line} imports {m}"
-            if _kind(m) == "check":
-                assert m == "helpers.check._common", f"{where}: shared pieces live in _common"
-            if _kind(m) == "lesson" and n is not None:
-                assert _lesson(m) <= n, f"{where}: a checker uses its own lesson's module or an earlier one"
+            assert _kind(m) != "gather", f"{_where(mod, m, line)}: helpers.check sits above the lessons"
+            if _kind(m) == "checker":
+                assert _is_checker(mod) and _lesson(m) == n, \
+                    f"{_where(mod, m, line)}: a lesson's plain functions never import a checker, no checker another lesson's"
+            elif _kind(m) == "lesson" and _lesson(m) != n:
+                top = f"helpers.lesson{n:02d}"
+                assert (top, f"helpers.lesson{_lesson(m):02d}") in LESSON_TO_LESSON, \
+                    f"{_where(mod, m, line)}: a piece two lessons share goes to the framework"
+                assert _lesson(m) < n, f"{_where(mod, m, line)}: a lesson builds on earlier lessons only"
+    for mod, m in LESSON_TO_LESSON:          # the list only shrinks: an entry nobody needs goes
+        users = [u for u in MODULES if _lesson(u) == _lesson(mod) and any(_lesson(x) == _lesson(m)
+                                                                         for x in _course(u))]
+        assert users, f"lesson {mod} no longer imports {m}: remove it from LESSON_TO_LESSON"
+
+
+def test_helpers_check_only_gathers_the_checkers():
+    assert set(_course(GATHER)) <= {"helpers.checking"}, _course(GATHER)
+    text = MODULES[GATHER].read_text()
+    assert "lesson[0-9][0-9]" in text and 'startswith("check")' in text   # it finds them by folder and name
 
 
 def test_no_import_cycles():
@@ -190,3 +195,9 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def test_no_module_outside_the_kernels_is_over_the_size_limit():
+    big = {str(p.relative_to(ROOT)): n for m, p in MODULES.items() if _kind(m) != "kernel"
+           for n in [len(p.read_text().splitlines())] if n > MAX_LINES}
+    assert not big, f"over {MAX_LINES} lines (split it by job): {big}"

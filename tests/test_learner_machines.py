@@ -21,7 +21,7 @@ from packaging.requirements import Requirement
 
 from conftest import ROOT
 from helpers.lesson07 import NO_TRITON
-from helpers.lesson08_gpu import NO_TRITON as NO_TRITON_08
+from helpers.lesson08.gpu_section import NO_TRITON as NO_TRITON_08
 from helpers.lesson10 import NO_TRITON as NO_TRITON_10
 
 HIDE = ROOT / "tests" / "hide_modules"

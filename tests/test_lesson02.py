@@ -9,7 +9,7 @@ import torch
 
 from helpers import check, meter, reference
 from helpers import lesson02 as L
-from helpers.check.lesson02 import attention_cases, tiled_model
+from helpers.lesson02.check import attention_cases, tiled_model
 
 from conftest import rejects
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import check, lesson04, reference
-from helpers.check.lesson04 import tiled_model
+from helpers.lesson04.check import tiled_model
 from conftest import rejects
 
 NB = "04_causal_tile_classes"

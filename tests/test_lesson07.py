@@ -19,7 +19,7 @@ import triton  # noqa: E402 - after conftest set TRITON_INTERPRET
 import triton.language as tl  # noqa: E402
 
 from helpers import check, lesson07, reference  # noqa: E402
-from helpers.check._common import jit_with_globals  # noqa: E402
+from helpers.cases import jit_with_globals  # noqa: E402
 from tests.conftest import notebook_namespace, rejects  # noqa: E402
 
 NB = "07_triton_gpu"

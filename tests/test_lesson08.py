@@ -11,7 +11,7 @@ from conftest import rejects
 
 from helpers import check, lesson03, lesson04, meter, reference, widgets
 from helpers import lesson08 as L
-from helpers.check.lesson08 import bwd_cases, bwd_model, reference_grads
+from helpers.lesson08.check import bwd_cases, bwd_model, reference_grads
 
 matplotlib.use("Agg")
 NB = "08_backward_pass"

@@ -18,7 +18,8 @@ import torch
 
 matplotlib.use("Agg")
 
-from helpers import check, lesson08_gpu  # noqa: E402
+from helpers import check
+from helpers.lesson08 import gpu_section  # noqa: E402
 from helpers.generate import stub_source  # noqa: E402
 from tests.conftest import rejects  # noqa: E402
 
@@ -134,35 +135,35 @@ def test_not_a_jit_function_is_refused(tmp_path):
 def test_reference_grads_match_sdpa_autograd():
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(4))
-    _, dq, dk, dv = lesson08_gpu.reference_grads(q, k, v, do, causal=True)
+    _, dq, dk, dv = gpu_section.reference_grads(q, k, v, do, causal=True)
     a = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.nn.functional.scaled_dot_product_attention(*a, is_causal=True).backward(do)
     for x, y in zip((dq, dk, dv), a):
         assert torch.allclose(x, y.grad, atol=1e-12)
     q2 = torch.randn(1, 1, 5, 8, dtype=torch.float64)
     k2, v2 = torch.randn(1, 1, 0, 8, dtype=torch.float64), torch.randn(1, 1, 0, 8, dtype=torch.float64)
-    o, dq2, _, _ = lesson08_gpu.reference_grads(q2, torch.randn(1, 1, 3, 8, dtype=torch.float64),
+    o, dq2, _, _ = gpu_section.reference_grads(q2, torch.randn(1, 1, 3, 8, dtype=torch.float64),
                                                 torch.randn(1, 1, 3, 8, dtype=torch.float64), q2, causal=True)
     assert torch.isfinite(dq2).all() and torch.isfinite(o).all()
     del k2, v2
 
 
 def test_recorded_results_table_and_plots():
-    res = lesson08_gpu.load_results()
+    res = gpu_section.load_results()
     assert res is not None and res.get("backward"), "bench/results/h200.json has no backward rows"
-    table = lesson08_gpu.backward_table(res)
+    table = gpu_section.backward_table(res)
     assert "NVIDIA H200" in table and "2026" in table
     assert len(table.splitlines()) == 2 + len(res["backward"])
     assert all(r["pass"] for r in res["backward"])
-    ratio = lesson08_gpu.geomean_ratio(res, "sdpa_flash_tflops")
+    ratio = gpu_section.geomean_ratio(res, "sdpa_flash_tflops")
     assert ratio is not None and math.isfinite(ratio)
-    assert lesson08_gpu.plot_backward(res).axes
-    rec = lesson08_gpu.load_training()
+    assert gpu_section.plot_backward(res).axes
+    rec = gpu_section.load_training()
     assert rec is not None and set(rec["runs"]) == {"flash", "sdpa"}
-    assert "tokens/s" in lesson08_gpu.training_summary(rec)
-    assert lesson08_gpu.plot_training(rec).axes
+    assert "tokens/s" in gpu_section.training_summary(rec)
+    assert gpu_section.plot_training(rec).axes
     with pytest.raises(ValueError, match="no backward rows"):
-        lesson08_gpu.plot_backward({"backward": []})
+        gpu_section.plot_backward({"backward": []})
 
 
 # ------------------------------------------------------------------ what the numbers cannot show, and the error's size

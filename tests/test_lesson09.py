@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import ROOT, notebook_namespace, rejects
 from helpers import check, reference
 from helpers import lesson09 as L
-from helpers.check import lesson09 as C
+from helpers.lesson09 import check as C
 from helpers.lesson09 import chunk_attention
 
 NB = "09_ring_attention"

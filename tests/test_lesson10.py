@@ -9,7 +9,7 @@ import torch
 from conftest import rejects
 from helpers import check, reference
 from helpers import lesson10 as L
-from helpers.check import lesson10 as C
+from helpers.lesson10 import check as C
 
 
 # ------------------------------------------------------------------ exercise 1: varlen_block_map

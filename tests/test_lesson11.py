@@ -10,6 +10,7 @@ from conftest import ROOT, LaunchRecorder, notebook_namespace, rejects
 from helpers import check
 from helpers import lesson11 as L
 from helpers.lesson11 import compute, load, release, wait_empty, wait_full
+from helpers.lesson11 import hopper as H, pipeline as P, producer as T
 
 NB = "11_hopper_fa3"
 
@@ -25,7 +26,7 @@ def test_a_fresh_barrier_passes_parity_1_and_blocks_parity_0():
 
 def test_parity_aliasing_two_phases_ahead_blocks():
     """A wait sees only the parity: two completions later the same parity blocks again (the hardware rule)."""
-    b = L._Barrier(1)
+    b = P._Barrier(1)
     assert b.passes(1) and not b.passes(0)
     b.arrive()
     assert b.passes(0) and not b.passes(1)
@@ -237,15 +238,15 @@ def test_worked_answer_passes(strict, capsys):
 
 
 def test_worked_producer_passes(strict, capsys, monkeypatch):
-    monkeypatch.setattr(L, "hopper_here", lambda: "no sm_90 GPU in this test")
-    monkeypatch.setattr(L, "compile_producer_for_sm90", lambda p, **kw: {"ok": True, "ptx": []})
+    monkeypatch.setattr(H, "hopper_here", lambda: "no sm_90 GPU in this test")
+    monkeypatch.setattr(T, "compile_producer_for_sm90", lambda p, **kw: {"ok": True, "ptx": []})
     check.fa3_producer(notebook_namespace(NB)["fa3_producer"])
     assert "✅ fa3_producer" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ the GPU section's gate
 def test_gpu_section_says_one_line_without_hopper(capsys, monkeypatch):
-    monkeypatch.setattr(L, "hopper_here", lambda: L.NO_HOPPER + " This machine has no CUDA GPU.")
+    monkeypatch.setattr(H, "hopper_here", lambda: L.NO_HOPPER + " This machine has no CUDA GPU.")
     assert L.require_hopper() is False
     out = capsys.readouterr().out
     assert out.startswith(L.NO_HOPPER) and out.count("\n") == 1 and "recorded on an H200 follow" in out
@@ -256,7 +257,7 @@ def test_recorded_hopper_figures_are_shown_with_their_label(capsys, monkeypatch)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from helpers import results
+    from helpers.lesson11 import records as results
     res = results.load_gluon()
     assert res and res["meta"]["gpu"] == "NVIDIA H200" and len(res["rows"]) == 8
     fig = L.show_recorded_hopper(res)
@@ -457,7 +458,7 @@ _PRODUCER_LINES = {
     "k": "tma_load(k_desc, [kv_row + j * BLOCK_N, 0], full.index(s), k_smem.index(s))",
     "v": "tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(s), v_smem.index(s))",
 }
-_PRODUCER_FILE = """from helpers.lesson11_gluon import gluon, gl, mbarrier, tma, tma_load
+_PRODUCER_FILE = """from helpers.lesson11.gluon import gluon, gl, mbarrier, tma, tma_load
 
 
 @gluon.jit
@@ -481,8 +482,8 @@ def _producer(tmp_path, body=None, stand_ins=False, **lines):
     src = _PRODUCER_FILE.format(**{**_PRODUCER_LINES, **lines}) if body is None else \
         _PRODUCER_FILE.split("    {q}")[0] + body
     if stand_ins:
-        src = src.replace("from helpers.lesson11_gluon import gluon, gl, mbarrier, tma, tma_load",
-                          "from helpers.lesson11 import _STAND_INS\ngluon, gl, mbarrier, tma, tma_load = _STAND_INS")
+        src = src.replace("from helpers.lesson11.gluon import gluon, gl, mbarrier, tma, tma_load",
+                          "from helpers.lesson11.producer import _STAND_INS\ngluon, gl, mbarrier, tma, tma_load = _STAND_INS")
     path = tmp_path / f"producer_{uuid.uuid4().hex[:8]}.py"
     path.write_text(src)
     spec = iu.spec_from_file_location(path.stem, path)
@@ -495,8 +496,8 @@ def _producer(tmp_path, body=None, stand_ins=False, **lines):
 def no_compile(monkeypatch):
     """The trace's verdicts without the sm_90 compile (one test below runs it for real)."""
     calls = []
-    monkeypatch.setattr(L, "compile_producer_for_sm90", lambda p, **kw: calls.append(p) or {"ok": True, "ptx": []})
-    monkeypatch.setattr(L, "hopper_here", lambda: "no sm_90 GPU in this test")   # the same verdicts on an H200
+    monkeypatch.setattr(T, "compile_producer_for_sm90", lambda p, **kw: calls.append(p) or {"ok": True, "ptx": []})
+    monkeypatch.setattr(H, "hopper_here", lambda: "no sm_90 GPU in this test")   # the same verdicts on an H200
     return calls
 
 
@@ -583,10 +584,10 @@ def test_producer_stub_is_not_attempted(tmp_path, no_compile, not_strict, capsys
 
 def test_producer_traces_without_triton(tmp_path, monkeypatch, strict, capsys):
     """macOS, Windows: the exercise's names are stand-ins; the trace and the simulator still judge it."""
-    monkeypatch.setattr(L, "gluon_api", lambda: L._STAND_INS)
-    monkeypatch.setattr(L, "hopper_here", lambda: "no Triton, so no Gluon kernel runs")
+    monkeypatch.setattr(T, "gluon_api", lambda: T._STAND_INS)
+    monkeypatch.setattr(H, "hopper_here", lambda: "no Triton, so no Gluon kernel runs")
     producer = _producer(tmp_path, stand_ins=True)
-    assert isinstance(producer, L._StandInJit)
+    assert isinstance(producer, T._StandInJit)
     check.fa3_producer(producer)
     out = capsys.readouterr().out
     assert "✅ fa3_producer" in out and "no Triton with Gluon here" in out
@@ -600,7 +601,7 @@ def test_producer_on_hopper_runs_natively(tmp_path, monkeypatch, strict, capsys)
     """On an sm_90 GPU the checker runs the kernel with the producer (here the self-test is a stand-in that
     returns its rows); a failing case is a verdict naming it."""
     import helpers.kernels.gluon_forward as G
-    monkeypatch.setattr(L, "hopper_here", lambda: "")
+    monkeypatch.setattr(H, "hopper_here", lambda: "")
     monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H200")
     seen = {}
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import check, lesson12 as L
-from helpers.check import lesson12 as C
+from helpers.lesson12 import check as C
 from conftest import rejects
 
 

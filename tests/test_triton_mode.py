@@ -75,9 +75,10 @@ def test_triton_imported_before_the_course_is_one_clear_line():
     """Too late to choose: each Triton lesson's require_triton stops with how to recover, not a kernel error."""
     out = run("""
         import torch.utils.flop_counter                # triton imported, compiled-for-GPU, before helpers
-        from helpers import lesson07, lesson08_gpu, lesson10, triton_mode
+        from helpers import lesson07, lesson10, triton_mode
+        from helpers.lesson08 import gpu_section
         print(triton_mode.decided)
-        for lesson in (lesson07, lesson08_gpu, lesson10):
+        for lesson in (lesson07, gpu_section, lesson10):
             try:
                 lesson.require_triton()
             except triton_mode.TritonMissing as e:

@@ -20,6 +20,5 @@ interpreter without a GPU).
 
 Import from the family's module (``from helpers.kernels.forward import flash_attn_triton``); this file imports
 nothing, so importing one family compiles nothing of the others. Lessons' teaching kernels live with their
-lessons (``helpers/lesson08_dkdv.py``); ``helpers/triton_*.py`` re-export the public names for notebooks
-saved before the kernels moved here.
+lessons (``helpers/lesson08/dkdv.py``).
 """
