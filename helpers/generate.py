@@ -45,20 +45,37 @@ DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\(")
 META_KEY = "course"
 
 
-# The first lines of every notebook's first code cell (tests/test_generate.py checks it). Opened outside
-# the course (a copy on its own, another kernel, a hosted notebook service) a notebook stops there with
-# what to do instead of a bare ModuleNotFoundError; IPython shows `_render_traceback_`'s lines alone.
-# A new notebook copies these lines as they are.
-FIRST_CELL_GUARD = '''\
-try:  # the course's own code and packages; a notebook opened outside the course stops here, saying what to do
+# Where the course is published: the set-up cell of a notebook opened outside the course fetches it from here
+# (a hosted notebook service such as Colab or Kaggle). A fork sets its own address here (or COURSE_URL at run time)
+# and runs `make notebooks`; tests/test_generate.py checks every notebook's first cell against SETUP_CELL.
+COURSE_URL = "https://github.com/flash-attention-course/flash-attention-course"
+
+# Every notebook's first code cell, the same in all of them, its source hidden (JupyterLab shows its first line,
+# Colab its title). In the course's own lab it imports `helpers` and is done. Opened anywhere else (another
+# Jupyter, a copy on its own, a hosted notebook), it finds the course folder above the notebook, or fetches it,
+# installs it into this kernel's Python and runs on: one visible cell, no other step.
+SETUP_CELL = """\
+#@title Set-up: the course's code (opened outside the course, this cell fetches and installs it)
+try:
     import torch, helpers
-except ModuleNotFoundError as e:
-    e._render_traceback_ = lambda name=e.name: [
-        f"This notebook needs the course's Python environment, and `{name}` is not in this one. Open it "
-        "from the course folder: run `make setup` there, then `make lab` (README.md, section 1). On a "
-        "hosted notebook service, install the course folder into this kernel first: `pip install -e <folder>`."]
-    raise
-'''
+except ModuleNotFoundError as missing:     # another Jupyter, a copy on its own, a hosted notebook (Colab, Kaggle)
+    import os, pathlib, subprocess, sys
+    up = [p for p in (pathlib.Path.cwd(), *pathlib.Path.cwd().parents) if (p / "helpers" / "checking.py").is_file()]
+    root = up[0] if up else pathlib.Path(os.environ.get("COURSE_DIR", "flash-attention-course")).resolve()
+    if not up and not (root / "helpers").is_dir():
+        url = os.environ.get("COURSE_URL", "%s")
+        print(f"`{missing.name}` is not in this Python: fetching the course from {url} into {root}")
+        subprocess.run(["git", "clone", "--quiet", "--depth", "1", url, str(root)], check=True)
+    print(f"installing the course ({root}) into this kernel's Python (a minute or two)")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "-e", str(root)], check=True)
+    sys.path.insert(0, str(root))
+    import torch, helpers
+""" % COURSE_URL
+# The set-up cell's metadata: its source hidden in JupyterLab (`jupyter.source_hidden`) and shown as a form with
+# its title in Colab (`cellView`).
+SETUP_METADATA = {"jupyter": {"source_hidden": True}, "cellView": "form", "tags": ["course-setup"]}
+# The cell metadata a learner notebook keeps from its worked notebook.
+KEEP_METADATA = ("tags", "jupyter", "editable", "deletable", "cellView", "jp-MarkdownHeadingCollapsed")
 
 
 class GenerateError(Exception):
@@ -117,8 +134,7 @@ def learner_notebook(solution_path: Path):
         if "solution-only" in tags:
             continue
         new = nbformat.from_dict(dict(cell))
-        new.metadata = nbformat.from_dict({k: v for k, v in cell.metadata.items()
-                                           if k in ("tags", "jupyter", "editable", "deletable")})
+        new.metadata = nbformat.from_dict({k: v for k, v in cell.metadata.items() if k in KEEP_METADATA})
         new.pop("id", None)
         if cell.cell_type == "code":
             new.source = stub_source(cell.source, where=f"{solution_path.name} cell {i}")

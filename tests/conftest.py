@@ -74,6 +74,41 @@ class LaunchRecorder:
         return launch
 
 
+def notebook(name: str, folder: str = "solutions"):
+    """The notebook ``<folder>/<name>.ipynb`` (a NotebookNode)."""
+    return nbformat.read(ROOT / folder / f"{name}.ipynb", as_version=4)
+
+
+def cells(name: str, kind: str | None = None) -> list:
+    """The cells of a worked notebook, of one kind (``"markdown"``, ``"code"``) or all."""
+    return [c for c in notebook(name).cells if kind is None or c.cell_type == kind]
+
+
+def markdown(name: str) -> str:
+    """Every cell's source of a worked notebook, joined."""
+    return "\n".join(c.source for c in notebook(name).cells)
+
+
+def flat(text: str) -> str:
+    """Markdown with its line breaks (and blockquote marks) folded into single spaces."""
+    import re
+    return re.sub(r"\s+", " ", text.replace("\n>", "\n"))
+
+
+def interview(name: str) -> str:
+    """The worked notebook's one "Say it in the interview" section, flattened."""
+    found = [c.source for c in cells(name, "markdown") if "Say it in the interview" in c.source]
+    assert len(found) == 1, f"{name}: one interview section expected"
+    return flat(found[0])
+
+
+def outputs(name: str, needle: str) -> str:
+    """The text output of the one code cell of a worked notebook whose source contains ``needle``."""
+    found = [c for c in cells(name, "code") if needle in c.source]
+    assert len(found) == 1, (name, needle, len(found))
+    return "".join(o.get("text", "") for o in found[0].get("outputs", []))
+
+
 def rejects(checker, fn, *hint_words):
     """Assert that ``checker(fn)`` fails and that its message holds every one of ``hint_words``."""
     from helpers.checking import CheckFailure

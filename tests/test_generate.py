@@ -190,11 +190,20 @@ def test_backups_never_overwrite_each_other_whatever_the_clock(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("folder", ["solutions", "notebooks"])
-def test_every_notebook_starts_with_the_guard_for_a_copy_opened_elsewhere(folder):
+def test_every_notebook_starts_with_the_setup_cell(folder):
+    """The first code cell of every notebook is helpers.generate.SETUP_CELL, its source hidden in JupyterLab and a
+    form in Colab (what a notebook opened outside the course needs: tests/test_hosted.py runs it)."""
     for p in sorted((ROOT / folder).glob("[0-9][0-9]_*.ipynb")):
         if ".backup-" in p.name:
             continue
         first = next(c for c in nbformat.read(p, as_version=4).cells if c.cell_type == "code")
-        assert first.source.startswith(generate.FIRST_CELL_GUARD), (
-            f"{folder}/{p.name}: its first code cell must begin with helpers.generate.FIRST_CELL_GUARD "
-            "(copy it from there or from any other notebook)")
+        assert first.source == generate.SETUP_CELL.rstrip("\n"), (
+            f"{folder}/{p.name}: its first code cell must be helpers.generate.SETUP_CELL (copy it from any notebook)")
+        assert first.metadata.get("jupyter", {}).get("source_hidden") is True, f"{folder}/{p.name}"
+        assert first.metadata.get("cellView") == "form", f"{folder}/{p.name}"
+
+
+def test_the_setup_cell_names_the_course_once():
+    """The address a hosted notebook fetches from is one constant, COURSE_URL, and COURSE_URL at run time wins."""
+    assert generate.COURSE_URL in generate.SETUP_CELL and generate.SETUP_CELL.count("https://") == 1
+    assert 'os.environ.get("COURSE_URL"' in generate.SETUP_CELL
