@@ -137,7 +137,7 @@ def inspect(page, lab, notebook, verdict, redraw_timeout_ms=120_000):
     # 4. One verdict per exercise: ⏳ for a learner copy, ✅ for a worked notebook.
     nb = nbformat.read(lab.root / notebook, as_version=4)
     for index, exercise in exercises_in(nb):
-        want = f"⏳ {exercise}: not attempted yet" if verdict == "todo" else f"✅ {exercise}: "
+        want = f"⏳ {exercise} not attempted yet" if verdict == "todo" else f"✅ {exercise} passed: "
         if want not in cells[index]["text"]:
             problems.append(f"cell {index}: should say {want!r}, shows {cells[index]['text'][:200]!r}")
     problems += [f"JavaScript error in the page: {e}" for e in page_errors]
@@ -189,7 +189,7 @@ def test_the_inspector_sees_each_planted_problem(lab, browser):
     assert [c["index"] for c in widget_cells] == [1]
     assert "cell 1: slider moved 0.0 -> 1.0 but the figure was not redrawn" in report, report
     assert "cell 2: output on stderr: 'a warning a learner would see" in report, report
-    assert "cell 4: should say '✅ merge_ml: ', shows '⏳ merge_ml: not attempted yet" in report, report
+    assert "cell 4: should say '✅ merge_ml passed: ', shows '⏳ merge_ml not attempted yet" in report, report
     assert "cell 5: error output ValueError: planted" in report, report
     assert len(problems) == 4, report
 

@@ -7,7 +7,7 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-from .checking import REGISTRY, CheckFailure
+from .checking import REGISTRY, CheckFailure, hint
 
 _HERE = Path(__file__).resolve().parent
 for _lesson in sorted(p.name for p in _HERE.glob("lesson[0-9][0-9]") if p.is_dir()):
@@ -15,4 +15,4 @@ for _lesson in sorted(p.name for p in _HERE.glob("lesson[0-9][0-9]") if p.is_dir
         importlib.import_module(f"{__package__}.{_lesson}.{_mod}")
 
 globals().update(REGISTRY)
-__all__ = sorted(REGISTRY) + ["CheckFailure"]
+__all__ = sorted(REGISTRY) + ["CheckFailure", "hint"]

@@ -6,9 +6,13 @@ catches the usual mistakes), and compares with a float64 reference through
 ``g.compare`` (which reports the worst mismatch and names the likely bug). What the
 learner sees is one line:
 
-    ✅ merge_ml: 48 cases match torch.logsumexp, max rel err 3e-07
-    ⏳ merge_ml: not attempted yet
-    ❌ merge_ml: case 'both sides empty' ... (a CheckFailure, an AssertionError)
+    ✅ merge_ml passed: 48 cases match torch.logsumexp, max rel err 3e-07
+    ⏳ merge_ml not attempted yet
+    ❌ merge_ml wrong: `l` at index (0,): got nan, ... (a CheckFailure, an AssertionError)
+
+A ❌ names the case and the likely bug; where a checker knows the exact fix (``Bug(..., fix=...)``,
+``g.compare(..., fix=...)``), the verdict offers it (``check.hint("merge_ml")``) and shows it only when the same
+mistake comes back.
 
 ``COURSE_STRICT=1`` turns "not attempted" into a failure (``make check`` runs the
 worked solutions that way). With ``COURSE_GRADE_LOG`` set, each verdict is also
@@ -52,12 +56,35 @@ import torch
 
 from .timelimit import TIMEOUT_ENV, CaseTimeout, call_with_limit, case_timeout, time_limited
 
-__all__ = ["CheckFailure", "CaseTimeout", "Case", "Grader", "exercise", "REGISTRY", "strict", "Bug",
+__all__ = ["CheckFailure", "CaseTimeout", "Case", "Grader", "exercise", "REGISTRY", "strict", "Bug", "hint",
            "yours_or_reference", "passed", "case_timeout", "call_with_limit", "Budget",
            "default_budget"]
 
 _HERE = Path(__file__).resolve().parent
 REGISTRY: dict = {}
+# A verdict says what it is in words beside its emoji (a terminal or browser without an emoji font shows boxes).
+PASSED, WRONG, TODO = "passed", "wrong", "not attempted"
+_LAST_FIX: dict = {}      # exercise -> (hint, fix) of its last ❌ in this session
+_HINTS_SEEN: dict = {}    # (exercise, hint) -> how many times that ❌ was shown
+
+
+def hint(name) -> None:
+    """Print the exact fix for the last ❌ of exercise ``name`` (its name, or its checker) in this session.
+
+    A ❌ names the case and the likely bug; the fix itself waits until asked for (or until the same mistake comes
+    back), so that the learner first tries with the hint alone."""
+    name = getattr(name, "exercise_name", name)
+    if name not in REGISTRY:
+        print(f"no exercise called {name!r}: check.hint takes an exercise's name, e.g. check.hint(\"merge_ml\")")
+        return
+    last = _LAST_FIX.get(name)
+    if last is None:
+        print(f"{name}: no failed check in this session, so no hint to give")
+    elif last[1]:
+        print(f"{name}: the hint was: {last[0]}\nthe fix: {last[1]}")
+    else:
+        print(f"{name}: the hint was: {last[0] or '(none)'}\nno exact fix is written for this mistake: the hint and "
+              "the case are all there is; compare your function with the exercise's spec line by line")
 
 
 class CheckFailure(AssertionError):
@@ -169,9 +196,11 @@ class Case:
 
 @dataclass
 class Bug:
-    """A known mistake: ``model(case) -> the output that mistake gives`` and the hint for it."""
+    """A known mistake: ``model(case) -> the output that mistake gives``, the hint that names it, and (optionally)
+    the exact fix, given only when asked (``check.hint(name)``) or when the same mistake comes back."""
     hint: str
     model: object  # callable(case) -> tensor/number, or tuple of them
+    fix: str = ""
 
 
 @dataclass
@@ -268,15 +297,25 @@ class Grader:
         self.notes = []
 
     # ----------------------------------------------------------------- failing
-    def fail(self, what: str, hint: str = "", case: Case | None = None):
+    def fail(self, what: str, hint: str = "", case: Case | None = None, fix: str = ""):
+        """A ❌ verdict: what is wrong, the case, the hint that names the likely bug; the exact ``fix`` only on
+        request (``check.hint(name)``) or when the same hint comes back a second time in this session."""
         case = case or self.case
-        lines = [f"❌ {self.name}: {what}"]
+        lines = [f"❌ {self.name} {WRONG}: {what}"]
         if case is not None:
             lines.append(f"   case '{case.name}': {case.describe(self.arg_names)}")
             if case.note:
                 lines.append(f"   ({case.note})")
         if hint:
             lines.append(f"   hint: {hint}")
+        if fix:
+            seen = _HINTS_SEEN.get((self.name, hint), 0)
+            _HINTS_SEEN[(self.name, hint)] = seen + 1
+            if seen:
+                lines.append(f"   the fix (this mistake came back): {fix}")
+            else:
+                lines.append(f'   still stuck? check.hint("{self.name}") gives the exact fix')
+        _LAST_FIX[self.name] = (hint, fix)
         raise CheckFailure("\n".join(lines))
 
     # ----------------------------------------------------------------- calling
@@ -378,12 +417,13 @@ class Grader:
             self.fail(f"`{what}` is on the meta device: it has a shape but no values",
                       hint="allocate outputs on the inputs' device: torch.empty(..., device=q.device)")
 
-    def compare(self, got, want, what: str, *, rtol=1e-5, atol=1e-6, bugs=(), hint="", nan_hint=""):
+    def compare(self, got, want, what: str, *, rtol=1e-5, atol=1e-6, bugs=(), hint="", nan_hint="", fix="",
+                nan_fix=""):
         """Compare ``got`` with the float64 reference ``want``; record the error; fail with the worst index.
 
         ``-inf``/``inf`` in ``want`` must be matched exactly; NaN never passes (and gets
         ``nan_hint``). On another mismatch, each ``Bug`` model is computed and, if the
-        learner's output matches it, that bug's hint is given; else ``hint``.
+        learner's output matches it, that bug's hint is given (its ``fix`` on request); else ``hint`` (``fix``).
         """
         if isinstance(got, torch.Tensor):
             self._expect_dense(got, what)
@@ -423,19 +463,20 @@ class Grader:
                      + (f" (abs err {abs(gv - wv):.3g})" if math.isfinite(gv) and math.isfinite(wv) else "")
                      + f"; {n_bad} of {n} values wrong")
         if bad_nan.any():
-            found = nan_hint or ("NaN appeared where the answer is a number: look for exp(-inf - (-inf)), "
-                                 "0 * inf or 0 / 0 (a row or block with nothing in it)")
+            found = (nan_hint or ("NaN appeared where the answer is a number: look for exp(-inf - (-inf)), "
+                                  "0 * inf or 0 / 0 (a row or block with nothing in it)"), nan_fix)
         else:
             found = self._match_bug(got_t, bugs, rtol=rtol, atol=atol)
         if not found:
             if bad_inf.any() and math.isinf(wv):
-                found = "the answer here is -inf (nothing to attend to): keep it -inf, don't replace it with a number"
+                found = ("the answer here is -inf (nothing to attend to): keep it -inf, don't replace it with a number",
+                         "")
             else:
-                found = hint
-        self.fail(what_line, hint=found)
+                found = (hint, fix)
+        self.fail(what_line, hint=found[0], fix=found[1])
 
     def _match_bug(self, got, bugs, rtol=0.0, atol=0.0):
-        """The hint of the first bug model that ``got`` matches: as close to the model as a right answer must
+        """``(hint, fix)`` of the first bug model that ``got`` matches (None when none does): as close to the model as a right answer must
         be to the reference (the comparison's own tolerance, never looser than 1e-4 relative, 1e-5 absolute),
         plus 8 units of ``got``'s rounding at the model's largest value, so that an fp16 kernel on a GPU, whose
         bug can make values far larger than the right ones, still matches its float64 model."""
@@ -455,8 +496,8 @@ class Grader:
             finite = b[b.isfinite()]
             rounding = 8 * eps * (finite.abs().max().item() if finite.numel() else 0.0)
             if torch.allclose(a, b, rtol=max(rtol, 1e-4), atol=max(atol, 1e-5) + rounding, equal_nan=True):
-                return bug.hint
-        return ""
+                return bug.hint, bug.fix
+        return None
 
     # ----------------------------------------------------------------- metering
     def measure(self, case: Case, fn=None, names=None, budget=None):
@@ -578,11 +619,14 @@ GRADE_LOG = "COURSE_GRADE_LOG"   # set by ``make grade``: a file that collects e
 
 
 def _record(name: str, status: str, message: str) -> None:
-    """Append one verdict (status: pass / fail / todo) to $COURSE_GRADE_LOG, if it is set."""
+    """Append one verdict (status: pass / fail / todo) to $COURSE_GRADE_LOG, if it is set (``make grade``), and to
+    the progress log of the notebook JupyterLab is running (``helpers.progress``)."""
+    from . import progress
     path = os.environ.get(GRADE_LOG)
     if path:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"exercise": name, "status": status, "message": message}) + "\n")
+    progress.record(name, status, message)
 
 
 def _say(name: str, status: str, line: str) -> None:
@@ -617,7 +661,7 @@ def exercise(name: str, arg_names=None, reference: str = "the float64 reference"
         @functools.wraps(grade)
         def checker(fn):
             if not callable(fn):
-                _fail(name, f"❌ {name}: pass your function itself, e.g. check.{name}({name}), "
+                _fail(name, f"❌ {name} not graded: pass your function itself, e.g. check.{name}({name}), "
                             f"not a {type(fn).__name__}")
             g = Grader(name, fn, arg_names, budget=budget)
             try:
@@ -629,10 +673,9 @@ def exercise(name: str, arg_names=None, reference: str = "the float64 reference"
             except _NotAttempted:
                 _remember(fn, name, "todo")
                 if strict():
-                    _fail(name, f"❌ {name}: not attempted (COURSE_STRICT=1): the stub still raises "
-                                "NotImplementedError")
+                    _fail(name, f"❌ {name} {TODO} (COURSE_STRICT=1): the stub still raises NotImplementedError")
                     return None
-                _say(name, "todo", f"⏳ {name}: not attempted yet")
+                _say(name, "todo", f"⏳ {name} {TODO} yet")
                 return None
             except CheckFailure as e:
                 _remember(fn, name, "fail")
@@ -645,7 +688,7 @@ def exercise(name: str, arg_names=None, reference: str = "the float64 reference"
             if notes:
                 summary += " (" + "; ".join(dict.fromkeys(notes)) + ")"
             _remember(fn, name, "pass")
-            _say(name, "pass", f"✅ {name}: {summary}")
+            _say(name, "pass", f"✅ {name} {PASSED}: {summary}")
             return None
         checker.exercise_name = name
         REGISTRY[name] = checker

@@ -1,6 +1,6 @@
 """``make grade``: a progress report of a learner's notebooks, run headless and left untouched.
 
-    python -m helpers.grade [notebooks/ | some.ipynb ...] [--verbose] [--expect pass|todo]
+    python -m helpers.grade [notebooks/ | some.ipynb ...] [--verbose] [--all] [--expect pass|todo]
 
 Each notebook is read into memory and run top to bottom by a fresh kernel (nbclient,
 errors allowed, the learner's file is never written). The checkers append their verdicts
@@ -12,7 +12,12 @@ of the same name whose check cell is gone ("check cell missing"); a notebook tha
 read is a row too, and the rest of the table still comes:
 
     notebook             exercise               result
-    01_online_softmax    merge_ml               ❌ `l` at index (0,): got nan, expected 0; ...
+    01_online_softmax    merge_ml               ❌ wrong: `l` at index (0,): got nan, expected 0; ...
+
+Only what changed is run again: a notebook whose file and the course's code are as they were at the last grade
+keeps its verdicts (``.course/grade-cache.json`` beside it; ``--all`` runs everything). It grades the *saved* files,
+so a check that JupyterLab showed after the notebook was last saved, and that the file does not give, is named
+under its row ("not saved?"): the lab records each verdict it shows (``helpers.progress``).
 
 ``--verbose`` prints the rest of each verdict under its row (the case and the hint). Graded
 from several folders, a notebook is named with its folder. Exercises of a notebook that
@@ -24,6 +29,8 @@ It exits 0: a report, not a gate. ``--expect pass`` (every exercise ✅) or ``--
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -34,7 +41,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
 
 from .generate import META_KEY, Unreadable, read_notebook
 
@@ -56,6 +62,7 @@ class Verdict:
     message: str       # the first line a learner would read
     details: list = field(default_factory=list)   # the verdict's other lines: the case, the hint
     folder: str = ""   # the folder the notebook was read from
+    unsaved: str = ""  # what the lab showed after the file was last saved, when it differs (see ``unsaved``)
 
     @property
     def symbol(self) -> str:
@@ -168,7 +175,7 @@ def grade_notebook(path: Path, timeout: int = 600, kernel_name: str = "python3")
             verdicts.append(Verdict(stem, name, "skip", f"not run here: {stop[1]}", folder=folder))
         elif name in said:
             rec = said[name]
-            message = _first_line(rec["message"]).removeprefix(f"{name}:").strip()
+            message = _first_line(rec["message"]).removeprefix(name).lstrip(": ").strip()
             details = _details(rec["message"])
             if rec.get("hint") and not any(d.startswith("hint:") for d in details):
                 details.append(f"hint: {rec['hint']}")
@@ -188,22 +195,91 @@ def _missing(stem: str, name: str, folder: str) -> Verdict:
                                        f"below your `{name}`", folder=folder)
 
 
-def grade(targets: list[str], timeout: int = 600, progress=None) -> list[Verdict]:
-    """Grade every notebook of ``targets``; a notebook that breaks the grader is a row, never a lost table."""
+CACHE_NAME = "grade-cache.json"
+
+
+def course_key() -> str:
+    """A hash of the course's code (helpers/) and worked notebooks' sources: a cached grade is reused only while
+    it is the same (a course update re-grades everything)."""
+    h = hashlib.sha256()
+    for p in sorted(ROOT.glob("helpers/**/*.py")):
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _cache_path(folder: Path) -> Path:
+    from .progress import LOG_DIR
+    return folder / LOG_DIR / CACHE_NAME
+
+
+def _load_cache(folder: Path) -> dict:
+    try:
+        return json.loads(_cache_path(folder).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(folder: Path, cache: dict) -> None:
+    try:
+        _cache_path(folder).parent.mkdir(exist_ok=True)
+        _cache_path(folder).write_text(json.dumps(cache, indent=1), encoding="utf-8")
+    except OSError:
+        pass                                           # a read-only folder: the next grade runs everything again
+
+
+def unsaved(path: Path, verdicts: list[Verdict]) -> list[str]:
+    """The exercises of ``path`` whose last verdict in JupyterLab (``helpers.progress``) differs from the saved
+    file's, given after the file was last saved: work the lab shows that the file does not hold yet."""
+    from .progress import SYMBOL as LAB, lab_verdicts
+    seen, saved_at = lab_verdicts(path.parent), path.stat().st_mtime
+    out = []
+    for v in verdicts:
+        e = seen.get((v.notebook, v.exercise))
+        if e and e["status"] != v.status and e["time"] > saved_at:
+            out.append(f"{v.exercise}: the lab showed {LAB.get(e['status'], '?')} at "
+                       f"{time.strftime('%H:%M:%S', time.localtime(e['time']))}, after the notebook was last saved "
+                       f"({time.strftime('%H:%M:%S', time.localtime(saved_at))})")
+    return out
+
+
+def grade(targets: list[str], timeout: int = 600, progress=None, everything: bool = False) -> list[Verdict]:
+    """Grade every notebook of ``targets``; a notebook that breaks the grader is a row, never a lost table.
+
+    A notebook whose file (and the course's code) did not change since the last grade keeps its verdicts from then
+    (``.course/grade-cache.json`` beside it) unless ``everything``. Each verdict the lab showed after the file was
+    last saved, and that the file does not give, is named on the verdict (``Verdict.unsaved``)."""
     verdicts = []
+    key, caches = course_key(), {}
     for path in _notebook_paths(targets):
         t0 = time.perf_counter()
-        try:
-            found = grade_notebook(path, timeout=timeout)
-        except KeyboardInterrupt:
-            verdicts.append(Verdict(path.stem, "-", "fail", "not graded: interrupted (Ctrl-C)",
-                                    folder=str(path.parent)))
-            break
-        except Exception as e:  # noqa: BLE001 - one notebook must not cost the rest of the table
-            found = [Verdict(path.stem, "-", "fail", f"not graded: {type(e).__name__}: {_first_line(str(e))}",
-                             folder=str(path.parent))]
-        if progress:
-            progress(f"  ran {path} ({time.perf_counter() - t0:.0f} s)")
+        folder = path.parent
+        cache = caches.setdefault(folder, _load_cache(folder))
+        digest = hashlib.sha256(path.read_bytes()).hexdigest() + key
+        hit = cache.get(path.name)
+        if hit and hit.get("key") == digest and not everything:
+            found = [Verdict(**v) for v in hit["verdicts"]]
+            for v in found:
+                v.unsaved = ""
+            if progress:
+                progress(f"  kept {path} (unchanged since the last grade)")
+        else:
+            try:
+                found = grade_notebook(path, timeout=timeout)
+            except KeyboardInterrupt:
+                verdicts.append(Verdict(path.stem, "-", "fail", "not graded: interrupted (Ctrl-C)",
+                                        folder=str(path.parent)))
+                break
+            except Exception as e:  # noqa: BLE001 - one notebook must not cost the rest of the table
+                found = [Verdict(path.stem, "-", "fail", f"not graded: {type(e).__name__}: {_first_line(str(e))}",
+                                 folder=str(path.parent))]
+            else:
+                cache[path.name] = {"key": digest, "verdicts": [dataclasses.asdict(v) for v in found]}
+                _save_cache(folder, cache)
+            if progress:
+                progress(f"  ran {path} ({time.perf_counter() - t0:.0f} s)")
+        notes = dict(line.split(": ", 1) for line in unsaved(path, found))
+        for v in found:
+            v.unsaved = notes.get(v.exercise, "")
         verdicts += found
     return verdicts
 
@@ -231,6 +307,8 @@ def format_table(verdicts: list[Verdict], width: int | None = None, verbose: boo
                 lines += wrap(d, indent, indent + "  ")
         else:
             lines.append(row + (v.message if len(v.message) <= room else v.message[: room - 1] + "…"))
+        if v.unsaved:
+            lines += wrap(f"not saved? {v.unsaved}: save the notebook (Ctrl+S) and grade again", indent, indent + "  ")
     counts = {s: sum(v.status == s for v in verdicts) for s in SYMBOL}
     tally = f"{counts['pass']} ✅  {counts['fail']} ❌  {counts['todo']} ⏳"
     if counts["skip"]:
@@ -246,12 +324,15 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
     ap.add_argument("--verbose", "-v", action="store_true",
                     help="under each row, the rest of its verdict: the case and the hint")
+    ap.add_argument("--all", action="store_true", dest="everything",
+                    help="run every notebook again, also those unchanged since the last grade")
     ap.add_argument("--expect", choices=["pass", "todo"],
                     help="exit 1 unless every exercise is ✅ (pass) or ⏳ (todo)")
     args = ap.parse_args(argv)
     print(f"grading {', '.join(args.targets)} (run headless in memory; your files are not changed)",
           file=sys.stderr)
-    verdicts = grade(args.targets, timeout=args.timeout, progress=lambda s: print(s, file=sys.stderr))
+    verdicts = grade(args.targets, timeout=args.timeout, progress=lambda s: print(s, file=sys.stderr),
+                     everything=args.everything)
     print(format_table(verdicts, verbose=args.verbose))
     if args.expect:
         if not verdicts:

@@ -104,7 +104,7 @@ def test_learner_notebook_goes_on_past_a_failed_check(tmp_path, monkeypatch):
     nb = _run_all(monkeypatch, strict=False, log=log)
     assert not [o for c in nb.cells for o in c.outputs if o.output_type == "error"]
     check_out = _text(nb.cells[2])
-    assert check_out.startswith("❌ merge_ml:") and "hint:" in check_out           # the verdict is shown
+    assert check_out.startswith("❌ merge_ml wrong:") and "hint:" in check_out           # the verdict is shown
     assert '"status": "fail"' in log.read_text()                                     # and reaches make grade
     demo = _text(nb.cells[3])
     assert "uses the course's reference: your merge_ml did not pass its check" in demo and "demo ran" in demo

@@ -115,7 +115,7 @@ def test_lesson_08_without_triton_runs_its_cpu_part_then_shows_the_h200_results_
     assert "require_triton()" in code[stop].source and "check.dkdv_inner" not in code[stop].source
     before = "".join(o.get("text", "") for c in code[:stop] for o in _outputs(c, "stream"))
     for name in ("attn_bwd_preprocess", "flash_attn_bwd", "FlashAttentionFunction"):   # the CPU exercises ran
-        assert f"✅ {name}:" in before, name
+        assert f"✅ {name} passed:" in before, name
     text = "".join(o["text"] for o in _outputs(code[stop], "stream") if o["name"] == "stdout")
     assert text.startswith(NO_TRITON_08 + "\n") and "NVIDIA H200" in text
     [err] = _outputs(code[stop], "error")
@@ -133,7 +133,7 @@ def test_lesson_10_without_triton_runs_its_exercises_then_shows_the_recorded_fig
     assert "require_triton()" in code[stop].source
     before = "".join(o.get("text", "") for c in code[:stop] for o in _outputs(c, "stream"))
     for name in ("varlen_block_map", "gather_kv"):                         # the CPU exercises ran
-        assert f"✅ {name}:" in before, name
+        assert f"✅ {name} passed:" in before, name
     text = "".join(o["text"] for o in _outputs(code[stop], "stream") if o["name"] == "stdout")
     assert text.startswith(NO_TRITON_10 + "\n") and "NVIDIA H200" in text and "decode" in text
     [err] = _outputs(code[stop], "error")

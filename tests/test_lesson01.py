@@ -113,8 +113,26 @@ def merge_via_exp(m1, l1, m2, l2):  # exp(m) * l overflows for large m
     return m, torch.where(torch.isinf(m), torch.zeros_like(m), torch.exp(lse - m))
 
 
-def test_merge_nan_when_both_empty():
-    rejects(check.merge_ml, merge_no_safe_max, "both statistics were -inf: exp(-inf - -inf) is NaN; use a safe max")
+def test_merge_nan_when_both_empty(capsys):
+    """The ❌ names the case and the bug; the exact fix comes only when asked, or when the mistake comes back."""
+    from helpers import checking
+    checking._HINTS_SEEN.clear()
+    msg = rejects(check.merge_ml, merge_no_safe_max, "both statistics were -inf", "exp(-inf - -inf) is NaN",
+                  'check.hint("merge_ml")')
+    assert "torch.where" not in msg and "m_safe" not in msg                 # the fix is not handed over
+    check.hint("merge_ml")
+    assert "m_safe = torch.where(m == -inf, 0, m)" in capsys.readouterr().out
+    again = rejects(check.merge_ml, merge_no_safe_max, "this mistake came back")
+    assert "m_safe = torch.where(m == -inf, 0, m)" in again
+
+
+def test_hint_without_a_failure_or_for_a_typo_says_so(capsys):
+    from helpers import checking
+    checking._LAST_FIX.pop("blockwise_stats", None)
+    check.hint("blockwise_stats")
+    check.hint("merge_mll")
+    out = capsys.readouterr().out
+    assert "no failed check in this session" in out and "no exercise called 'merge_mll'" in out
 
 
 def test_merge_plain_sum():

@@ -181,14 +181,17 @@ def merge_ml(g):
         g.expect_tensor(m_got, "m", shape=shape, dtype=case.args[0].dtype)
         g.expect_tensor(l_got, "l", shape=shape, dtype=case.args[0].dtype)
         m_ref, l_ref = reference.merge_ml(*case.args)
-        both_empty = ("both statistics were -inf: exp(-inf - -inf) is NaN; use a safe max "
-                      "(where m is -inf, rescale by 0 or use m_safe = where(m == -inf, 0, m))")
+        both_empty = ("both statistics were -inf (two empty sides): exp(-inf - -inf) is NaN; where the merged m "
+                      "is -inf, nothing was seen, and the rescale factors must not be computed from it")
+        both_empty_fix = "m_safe = torch.where(m == -inf, 0, m), then rescale by exp(m1 - m_safe), exp(m2 - m_safe)"
         g.compare(m_got, m_ref, "m", hint="m = max(m1, m2)")
         overflow = ("exp(m) overflows float32 above m = 88: never form exp(m1) or exp(m2) alone; "
                     "rescale by exp(m1 - m) and exp(m2 - m), which are <= 1")
         large = "large" in case.name
         g.compare(l_got, l_ref, "l", rtol=1e-5, bugs=bugs, nan_hint=overflow if large else both_empty,
-                  hint=overflow if large else "l = l1 * exp(m1 - m) + l2 * exp(m2 - m)")
+                  nan_fix="" if large else both_empty_fix,
+                  hint=overflow if large else "each side's l must be rescaled to the merged max before adding",
+                  fix="" if large else "l = l1 * exp(m1 - m) + l2 * exp(m2 - m)")
         g.count()
 
 

@@ -108,8 +108,9 @@ def _fwd_bugs():
         Bug("tl.exp2 without log2(e) folded in: exp2(s * sm_scale) = exp(s * sm_scale * ln 2); fold it in once, "
             "qk_scale = sm_scale * log2(e), and the lse back to natural log (* ln 2)", scaled(lesson07.LN2)),
     ]
-    bugs += [Bug("the ragged last tile's padding was scored as keys: mask the scores of keys >= Nk to -inf "
-                 "(tl.where(cols < Nk, qk, -inf)) in the masked loop", sim("no_key_mask", bn)) for bn in _BLOCK_NS]
+    bugs += [Bug("the ragged last tile's padding was scored as keys: the keys >= Nk of the last tile must score "
+                 "-inf in the masked loop", sim("no_key_mask", bn), fix="qk = tl.where(cols[None, :] < Nk, qk, -inf)")
+             for bn in _BLOCK_NS]
 
     def causal_shift(s):
         def model(c):
@@ -121,8 +122,8 @@ def _fwd_bugs():
             return reference.attention(q.cpu(), k.cpu(), v.cpu(), mask=vis, scale=c.kwargs.get("sm_scale"))[0]
         return model
     bugs += [
-        Bug("the causal mask is off by one: it hides the diagonal; query i sees keys j <= i "
-            "(tl.where(cols[None, :] <= offs_m[:, None], ...)), not j < i", causal_shift(-1)),
+        Bug("the causal mask is off by one: it hides the diagonal; query i sees keys j <= i, not j < i",
+            causal_shift(-1), fix="qk = tl.where(cols[None, :] <= offs_m[:, None], qk, -inf)"),
         Bug("the causal mask is off by one: it lets query i see key i + 1; query i sees keys j <= i",
             causal_shift(1)),
     ]
@@ -296,12 +297,12 @@ def _safe_max(g) -> bool:
                hint="attn_inner must work for any lo, hi (multiples of BLOCK_N) and any query rows offs_m")
     o_ref, lse_ref = reference.attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), mask=vis)
     nan = ("NaN for a row that has seen no key yet (its m_i is -inf): without a safe max, exp2(qk - m_ij) and "
-           "exp2(m_i - m_ij) are exp2(-inf - (-inf)) = NaN. Subtract 0 where m_ij is -inf: "
-           "m_safe = tl.where(m_ij == float('-inf'), 0.0, m_ij)")
+           "exp2(m_i - m_ij) are exp2(-inf - (-inf)) = NaN. Subtract 0 where m_ij is -inf")
+    nan_fix = "m_safe = tl.where(m_ij == float('-inf'), 0.0, m_ij), then exp2(qk - m_safe) and exp2(m_i - m_safe)"
     atol = 1e-4 if dtype == torch.float32 else 2e-2
-    g.compare(lse.cpu(), lse_ref, "lse", rtol=0.0, atol=atol, nan_hint=nan,
+    g.compare(lse.cpu(), lse_ref, "lse", rtol=0.0, atol=atol, nan_hint=nan, nan_fix=nan_fix,
               hint="a row that sees no key at all has l_i = 0: lse = -inf there")
-    g.compare(o.cpu(), o_ref, "O", rtol=0.0, atol=atol, nan_hint=nan,
+    g.compare(o.cpu(), o_ref, "O", rtol=0.0, atol=atol, nan_hint=nan, nan_fix=nan_fix,
               hint="a row that sees no key at all has O = 0; the others attend to keys j <= their position")
     g.count()
     return True
