@@ -33,7 +33,8 @@ truthy   = $(if $(filter 1 y yes true on,$(call lower,$(1))),1)
 boolean  = $(if $(filter-out 0 1 n y no yes false true off on,$(call lower,$(1))),$(error $(2)=$(1): use $(2)=1 or $(2)=0),$(call truthy,$(1)))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab grade check check-gpu test notebooks check-notebooks check-solutions run-solutions e2e bench clean
+.PHONY: help setup check-setup lab grade check check-gpu test notebooks check-notebooks check-solutions run-solutions \
+        e2e bench clean
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -47,23 +48,31 @@ $(STAMP): pyproject.toml
 	  echo "torch: asked for '$(TORCH)' $(TORCH_INDEX); removing the torch installed before"; \
 	  $(BIN)/python -m pip uninstall --yes --quiet torch; fi
 	$(BIN)/python -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[lab,test]"
 	$(BIN)/python -m ipykernel install --prefix $(VENV) --name python3 --display-name "Python 3 (course)" >/dev/null
 	@printf '%s\n%s\n' '$(TORCH)' '$(TORCH_INDEX)' > $(TORCH_SPEC)
 	@rm -f $(BIN)/.installed $(BIN)/.installed-*
 	@touch $@
 	@$(BIN)/python -c "import torch; print('torch', torch.__version__, '- CUDA available:', torch.cuda.is_available())"
-	@echo "setup done: open the course with 'make lab'"
+	@echo "setup done: 'make check-setup' checks this machine in under a minute, then 'make lab' opens the course"
 
 $(LAB_OVERRIDES): jupyterlab-overrides.json | $(STAMP)
 	@mkdir -p $(@D)
 	cp jupyterlab-overrides.json $@
 
-lab: setup  ## open JupyterLab on notebooks/ (the course's lab: no news or update pop-ups)
-	$(BIN)/jupyter lab notebooks/
+check-setup: setup  ## does this machine run the course? (under a minute: torch, Triton's mode, a checker, a kernel, a notebook)
+	@$(BIN)/python -m helpers.setup_check
 
-grade: setup  ## a progress table of your notebooks/ (run headless; files unchanged; NB=<folder>, VERBOSE=1: hints)
-	@$(BIN)/python -m helpers.grade $(or $(NB),notebooks) $(if $(call boolean,$(VERBOSE),VERBOSE),--verbose)
+# As root (a container, a cloud GPU box) JupyterLab refuses to start without --allow-root. LAB_ARGS: more of
+# JupyterLab's options, e.g. on a remote box LAB_ARGS="--no-browser --port 8888" (README: an SSH tunnel).
+ROOT_USER := $(filter 0,$(shell id -u 2>/dev/null))
+LAB_ARGS  ?=
+lab: setup  ## open JupyterLab on notebooks/, at 00_start_here (the course's lab: no pop-ups, saves every 15 s)
+	$(BIN)/jupyter lab $(if $(ROOT_USER),--allow-root) $(LAB_ARGS) notebooks/00_start_here.ipynb
+
+grade: setup  ## a progress table of your saved notebooks/ (only what changed is run; NB=<folder>, VERBOSE=1: hints, ALL=1)
+	@$(BIN)/python -m helpers.grade $(or $(NB),notebooks) $(if $(call boolean,$(VERBOSE),VERBOSE),--verbose) \
+	  $(if $(call boolean,$(ALL),ALL),--all)
 
 notebooks: setup  ## regenerate notebooks/ from solutions/ (never overwrites your edits; FORCE=1 backs them up)
 	$(BIN)/python -m helpers.generate $(if $(call boolean,$(FORCE),FORCE),--force)
@@ -100,27 +109,23 @@ LEARNER_CHECK := $(if $(filter 1,$(COURSE_E2E_REQUIRED)),,check-notebooks)
 
 check: test check-solutions $(LEARNER_CHECK) e2e  ## everything CI runs: unit tests, nbval over solutions/ (and notebooks/ unless e2e is required), e2e
 
-check-gpu:  ## (CUDA GPU) kernel and checker tests natively, every notebook in a real Jupyter kernel; writes bench/results/check_gpu.json
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/check_gpu.py
+# The GPU targets run with the venv's Python where there is one, else the machine's (a GPU box with torch and triton).
+GPU_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+BENCH_SCRIPTS := bench.py bench_paths.py bench_varlen.py bench_kvcache.py bench_bwd.py train_gpt.py \
+                 "bench_bwd.py --gqa-head-dims" "bench_masks.py --d 128 64 --bwd --scaling --targets" train_llama.py
+# On sm_90 (H100, H200) only: lesson 11's Gluon kernels.
+GLUON_BENCH := "--variant one ws overlap pp" \
+  "--variant one pp pp128 --N 16384 --dtype bfloat16 --causal --group 1 4 --out bench/results/gluon_h200_causal.json" \
+  "--variant auto --N 4096 16384 --causal --out bench/results/gluon_forward_h200.json" \
+  "--bwd --N 4096 16384 --causal --out bench/results/gluon_backward_h200.json"
 
-bench:  ## time the kernels (forward, varlen, decode, paged decode, backward with GQA and any head dim, masks; Gluon on sm_90) against SDPA and FlexAttention, and train a GPT and a Llama-style model (CUDA GPU; writes bench/results/)
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench.py
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_paths.py
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_varlen.py
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_kvcache.py
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_bwd.py
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/train_gpt.py
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_bwd.py --gqa-head-dims
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_masks.py --d 128 64 --bwd --scaling --targets
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/train_llama.py
-	if $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -c 'import torch, sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))'; then \
-	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --variant one ws overlap pp && \
-	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --variant one pp pp128 --N 16384 \
-	    --dtype bfloat16 --causal --group 1 4 --out bench/results/gluon_h200_causal.json && \
-	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --variant auto --N 4096 16384 --causal \
-	    --out bench/results/gluon_forward_h200.json && \
-	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) bench/bench_gluon.py --bwd --N 4096 16384 --causal \
-	    --out bench/results/gluon_backward_h200.json; fi
+check-gpu:  ## (CUDA GPU) kernel and checker tests natively, every notebook in a real Jupyter kernel; writes bench/results/check_gpu.json
+	$(GPU_PY) bench/check_gpu.py
+
+bench:  ## (CUDA GPU) time the kernels against SDPA's backends and FlexAttention, train a GPT and a Llama-style model; writes bench/results/
+	@set -e; for s in $(BENCH_SCRIPTS); do echo "== bench/$$s"; $(GPU_PY) bench/$$s; done
+	@if $(GPU_PY) -c 'import torch, sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))'; then \
+	  set -e; for a in $(GLUON_BENCH); do echo "== bench/bench_gluon.py $$a"; $(GPU_PY) bench/bench_gluon.py $$a; done; fi
 
 clean:  ## remove caches (keeps .venv/)
 	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache

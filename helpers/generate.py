@@ -78,6 +78,18 @@ SETUP_METADATA = {"jupyter": {"source_hidden": True}, "cellView": "form", "tags"
 KEEP_METADATA = ("tags", "jupyter", "editable", "deletable", "cellView", "jp-MarkdownHeadingCollapsed")
 
 
+CHECK_CALL = re.compile(r"^check\.(\w+)\((\w+)\)", re.M)
+
+
+def exercises_in(nb) -> list[tuple[int, str]]:
+    """``(cell index, exercise name)`` for every ``check.<name>(<name>)`` call in the notebook."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            found += [(i, name) for name, arg in CHECK_CALL.findall(cell.source) if name == arg]
+    return found
+
+
 class GenerateError(Exception):
     pass
 

@@ -42,11 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from .generate import META_KEY, Unreadable, read_notebook
+from .generate import META_KEY, Unreadable, exercises_in, read_notebook
 
 __all__ = ["Verdict", "exercises_in", "expected_exercises", "grade_notebook", "grade", "format_table", "main"]
 
-CHECK_CALL = re.compile(r"^check\.(\w+)\((\w+)\)", re.M)
 SYMBOL = {"pass": "✅", "fail": "❌", "todo": "⏳", "skip": "➖"}
 ROOT = Path(__file__).resolve().parent.parent
 # An exception a notebook raises on purpose to stop where this machine cannot go on (its class
@@ -69,13 +68,6 @@ class Verdict:
         return SYMBOL[self.status]
 
 
-def exercises_in(nb) -> list[tuple[int, str]]:
-    """``(cell index, exercise name)`` for every ``check.<name>(<name>)`` call in the notebook."""
-    found = []
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "code":
-            found += [(i, name) for name, arg in CHECK_CALL.findall(cell.source) if name == arg]
-    return found
 
 
 def expected_exercises(path: Path, nb=None) -> list[str]:

@@ -74,7 +74,7 @@ def lessons(folder=None) -> list[dict]:
     notebooks (their title cell and its *About N minutes*, their check cells), so that the map is never typed."""
     import nbformat
 
-    from .grade import exercises_in
+    from .generate import exercises_in
     out = []
     for p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
         if p.name.startswith("00_"):

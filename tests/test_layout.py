@@ -12,7 +12,8 @@ Imports are read with ``ast`` (module level and inside functions alike), never r
   pieces beside them): the bottom, the framework, the kernels and its own folder; an earlier lesson's plain
   functions only where ``LESSON_TO_LESSON`` lists it (a list that may only shrink); a lesson's plain modules never
   import a checker, and no checker imports another lesson's checker;
-- ``helpers/check.py`` on top of ``helpers/``: it only gathers the lessons' checkers;
+- ``helpers/check.py`` on top of ``helpers/``: it only gathers the lessons' checkers; beside it the tools that use
+  the whole course (``TOOLS``: ``make check-setup``), which nothing imports;
 - ``bench/`` and ``tests/`` above it all: nothing in ``helpers/`` imports them;
 - no import cycles, no module outside ``helpers/kernels/`` over ``MAX_LINES`` lines.
 """
@@ -31,6 +32,7 @@ BOTTOM = {"helpers", "helpers.triton_mode"}
 FRAMEWORK = {f"helpers.{m}" for m in ("checking", "timelimit", "cases", "meter", "meter_python", "reference",
                                       "results", "widgets", "generate", "grade", "progress")}
 GATHER = "helpers.check"
+TOOLS = {"helpers.setup_check"}        # on top, beside helpers.check: they use the whole course
 ABOVE_HELPERS = {"bench", "tests", "conftest", "common"}      # bench/ scripts import bench/common.py as `common`
 # A lesson that builds on an earlier lesson's plain functions. Move a piece two lessons share to the framework
 # instead of adding here.
@@ -93,6 +95,8 @@ def _kind(mod: str) -> str:
         return "framework"
     if mod == GATHER:
         return "gather"
+    if mod in TOOLS:
+        return "tool"
     if mod == "helpers.kernels" or mod.startswith("helpers.kernels."):
         return "kernel"
     if _lesson(mod) is not None:
@@ -117,7 +121,7 @@ def test_every_module_has_a_place():
 def test_one_folder_per_lesson():
     """Every lesson of solutions/ has its folder helpers/lessonNN/ with its plain functions and its checker; no
     lesson code stands outside it (no helpers/lessonNN_*.py, no checker folder of its own)."""
-    numbers = sorted(p.name[:2] for p in ROOT.glob("solutions/[0-9][0-9]_*.ipynb"))
+    numbers = sorted(p.name[:2] for p in ROOT.glob("solutions/[0-9][0-9]_*.ipynb") if not p.name.startswith("00_"))
     assert numbers
     for nn in numbers:
         folder = HELPERS / f"lesson{nn}"
@@ -174,6 +178,12 @@ def test_helpers_check_only_gathers_the_checkers():
     assert set(_course(GATHER)) <= {"helpers.checking"}, _course(GATHER)
     text = MODULES[GATHER].read_text()
     assert "lesson[0-9][0-9]" in text and 'startswith("check")' in text   # it finds them by folder and name
+
+
+def test_nothing_imports_the_tools():
+    for mod in MODULES:
+        bad = {m: line for m, line in _course(mod).items() if _kind(m) == "tool"}
+        assert not bad, f"{MODULES[mod].relative_to(ROOT)} imports {bad}: the tools sit on top"
 
 
 def test_no_import_cycles():
