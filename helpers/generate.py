@@ -60,14 +60,17 @@ try:
     import torch, helpers
 except ModuleNotFoundError as missing:     # another Jupyter, a copy on its own, a hosted notebook (Colab, Kaggle)
     import os, pathlib, subprocess, sys
+    def step(*cmd):
+        if subprocess.run(cmd).returncode:
+            raise SystemExit(f"set-up stopped: `{' '.join(cmd[:5])} ...` failed; its message is above") from None
     up = [p for p in (pathlib.Path.cwd(), *pathlib.Path.cwd().parents) if (p / "helpers" / "checking.py").is_file()]
     root = up[0] if up else pathlib.Path(os.environ.get("COURSE_DIR", "flash-attention-course")).resolve()
     if not up and not (root / "helpers").is_dir():
         url = os.environ.get("COURSE_URL", "%s")
         print(f"`{missing.name}` is not in this Python: fetching the course from {url} into {root}")
-        subprocess.run(["git", "clone", "--quiet", "--depth", "1", url, str(root)], check=True)
+        step("git", "clone", "--quiet", "--depth", "1", url, str(root))
     print(f"installing the course ({root}) into this kernel's Python (a minute or two)")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "-e", str(root)], check=True)
+    step(sys.executable, "-m", "pip", "install", "--quiet", "-e", str(root))
     sys.path.insert(0, str(root))
     import torch, helpers
 """ % COURSE_URL
