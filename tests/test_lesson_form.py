@@ -101,3 +101,13 @@ def test_no_measured_figure_is_typed_into_the_prose(name):
                 continue
             typed += [f"cell {i}: …{para[max(0, m.start() - 40):m.end() + 10]!r}…" for m in MEASURED.finditer(para)]
     assert not typed, f"{name}: a measured figure is read from its record by a cell, not typed:\n" + "\n".join(typed)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")))
+def test_the_saved_outputs_hold_no_error_and_nothing_on_stderr(name):
+    """A worked notebook is committed with its outputs (the site shows them, nbval re-runs it strict): none of them is
+    an error, and nothing a learner would see went to stderr (a warning, a traceback)."""
+    bad = [(i, o.get("ename") or o.get("text", "")[:120]) for i, c in enumerate(notebook(name).cells)
+           if c.cell_type == "code" for o in c.get("outputs", [])
+           if o.get("output_type") == "error" or (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+    assert not bad, f"{name}: saved outputs with an error or stderr: {bad}"
