@@ -304,7 +304,7 @@ _MAX_BLOCK_H = 64  # query rows per program; NQ * GROUP rows beyond it take more
 _DECODE_SHAPES = [(128, 4, 3), (64, 4, 4), (128, 8, 3), (64, 4, 3)]
 SHAPES["decode"] = lambda d: [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn, w, s in _DECODE_SHAPES]
 
-# A decode step is short (~0.1 ms for a 512 MiB cache), so the Python cost of a call matters:
+# A decode step is short (it reads the cache once, at memory speed), so the Python cost of a call matters:
 # one launch (the combine is inside the kernel), the tuned choice kept in a plain dict (not
 # triton.autotune), the SM count cached, the partials' workspace and the counters cached per
 # device, no device sync anywhere.

@@ -38,7 +38,7 @@ __all__ = ["run_ring", "launch", "RingError", "RankStats", "shard", "unshard", "
 LAYOUTS = ("contiguous", "zigzag")
 H200_HBM_BYTES = 141e9            # NVIDIA's datasheet (HBM3e)
 H200_BF16_FLOPS = 989e12          # dense BF16, datasheet
-NVLINK_BYTES_PER_S = 450e9        # NVLink 4 on an H200: 900 GB/s both directions, one direction here
+NVLINK_BYTES_PER_S = 450e9        # NVLink 4 on an H200, one direction (NVIDIA's datasheet gives both together)
 RING = RESULTS_DIR / "ring_h200x2.json"     # bench/ring_gpu.py's two-GPU record
 GPU_RESULTS = str(RING)
 
