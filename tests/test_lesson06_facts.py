@@ -106,3 +106,54 @@ def test_lesson06_table_gives_the_librarys_argument_order(fn):
     call = ast.parse(m.group(1), mode="eval").body
     names = [a.id for a in call.args] + [kw.arg for kw in call.keywords]
     assert names == LIBRARY_SIGNATURES[fn]
+
+
+# --------------------------------------------------------------------------- Going deeper: the measured split sweep
+def test_split_sweep_table_shows_the_records_rows_and_label():
+    from helpers import lesson06 as L
+    from helpers.results import load_results, results_label
+    res = load_results()
+    table = L.split_sweep_table(res).splitlines()
+    assert results_label(res, "paged") in table[0] and "median" in table[0]
+    body = table[2:]
+    assert len(body) == len(res["paged"]) == len(L.split_sweep_rows(res))
+    for line, r in zip(body, L.split_sweep_rows(res)):
+        cells = line.split()
+        assert cells[:6] == [r["dtype"], str(r["B"]), str(r["H"]), str(r["Hkv"]), str(r["block_size"]),
+                             str(r["mean_len"])]
+        assert f"{r['gbs'][r['default']]:.0f}*" in cells                     # the default's own run, starred
+    assert L.split_sweep_table({}).endswith("(not measured yet)")
+
+
+def test_split_sweep_rows_merge_the_default_run_with_the_sweep():
+    from helpers import lesson06 as L
+    row = {"dtype": "bfloat16", "B": 8, "H": 32, "Hkv": 8, "d": 128, "block_size": 16, "mean_len": 100,
+           "num_splits": 2, "triton_gbs": 30.0, "splits_sweep_gbs": {"1": 20.0, "4": 40.0}}
+    [r] = L.split_sweep_rows({"paged": [row]})
+    assert r["gbs"] == {1: 20.0, 2: 30.0, 4: 40.0} and r["default"] == 2
+    assert "fastest at 4 splits, 2.00x the GB/s of 1" in L.split_sweep_summary({"paged": [row]})
+
+
+def test_what_the_lesson_says_of_the_split_sweep_follows_from_the_record():
+    """06's Going deeper: one split the slowest on every row; four the fastest at B = 8, eight no better; at
+    B = 16 the default (one split) slower than two and four on every row; block size moves the rate less."""
+    from helpers import lesson06 as L
+    from helpers.results import load_results
+    rows = L.split_sweep_rows(load_results())
+    assert rows
+    for r in rows:
+        assert min(r["gbs"], key=r["gbs"].get) == 1
+        assert r["gbs"][4] == max(r["gbs"].values()) or r["gbs"][8] <= 1.01 * r["gbs"][4]
+    b8 = [r for r in rows if r["B"] == 8]
+    assert b8 and all(r["B"] * r["Hkv"] < L.H200_SMS for r in b8)             # one split leaves SMs idle
+    assert all(abs(r["gbs"][8] / r["gbs"][4] - 1) < 0.02 for r in b8)
+    b16 = [r for r in rows if r["B"] == 16]
+    assert b16 and all(r["default"] == 1 and r["gbs"][1] < r["gbs"][2] < r["gbs"][4] for r in b16)
+    groups = {(r["B"], r["dtype"], r["mean_len"]) for r in rows}
+    for key in groups:                                     # same batch and cache, block sizes 16 to 256
+        sel = [r for r in rows if (r["B"], r["dtype"], r["mean_len"]) == key]
+        if len(sel) < 2:
+            continue
+        by_block = [r["gbs"][4] for r in sel]
+        by_splits = [max(r["gbs"].values()) / min(r["gbs"].values()) for r in sel]
+        assert max(by_block) / min(by_block) < min(by_splits), key

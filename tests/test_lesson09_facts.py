@@ -51,13 +51,42 @@ def test_lesson09_overlap_condition_and_the_measured_numbers():
         chunk = r["N"] // r["world"] // (2 if r["layout"] == "zigzag" else 1)
         assert chunk >= 16384 > 10 * F_over_B                            # the measured chunks are far past it
         if r["step_ms"]:
-            assert r["transfer_ms"] < min(r["step_ms"]) / 5
-    by = {(r["N"], r["layout"], r["overlap"]): r["ms"] for r in res["ring"]}
-    assert by[(65536, "contiguous", False)] == 67.257 and by[(65536, "contiguous", True)] == 68.968
+            assert r["transfer_ms"] < min(r["step_ms"]) / 5             # "a small fraction of a step's compute"
     text = _flat(_markdown("09_ring_attention"))
-    assert "`c ≥ F / B`" in text and "67.26 against 68.97 ms" in text and "overlap changes little" in text
+    assert "`c ≥ F / B`" in text and "overlap changes little" in text
     assert "Why overlap pays" not in text
     assert "F / B = 1,319 tokens" in _outputs("09_ring_attention", "L.step_times(N, P=2)")
+
+
+def test_lesson09_overlap_summary_reads_the_record():
+    from helpers import lesson09 as L
+    res = L.load_gpu_results()
+    summary = L.overlap_summary(res)
+    assert summary.splitlines()[-1] == L.ring_label(res)
+    meta = res["meta"]
+    assert all(str(meta[k]) in L.ring_label(res) for k in ("gpu", "torch", "triton", "date", "timing"))
+    by = {(r["layout"], r["N"], r["overlap"]): r["ms"] for r in res["ring"]}
+    ratios = [by[(lay, N, True)] / by[(lay, N, False)] for (lay, N, o) in by if o]
+    assert f"{min(ratios):.3f}x to {max(ratios):.3f}x over {len(ratios)} (layout, N) pairs" in summary
+    transfer = [r["transfer_ms"] for r in res["ring"]]
+    assert f"{min(transfer):.1f} to {max(transfer):.1f} ms" in summary
+    assert summary in _outputs("09_ring_attention", "L.overlap_summary(res)")      # the saved output is the record's
+    assert L.overlap_summary(None).endswith("(not measured yet)")
+
+
+def test_lesson09_what_going_deeper_says_follows_from_the_record():
+    """Faster than one GPU on every row, closer to 2x as N grows; overlap within a few percent either way, and
+    without overlap the faster one in two pairs."""
+    from helpers import lesson09 as L
+    rows = L.load_gpu_results()["ring"]
+    assert all(1 < r["speedup"] < 2 for r in rows)
+    for key in {(r["layout"], r["overlap"]) for r in rows}:
+        s = [r["speedup"] for r in sorted(rows, key=lambda r: r["N"]) if (r["layout"], r["overlap"]) == key]
+        assert s == sorted(s), key
+    by = {(r["layout"], r["N"], r["overlap"]): r["ms"] for r in rows}
+    ratios = {(lay, N): by[(lay, N, True)] / by[(lay, N, False)] for (lay, N, o) in by if o}
+    assert all(abs(x - 1) < 0.05 for x in ratios.values())
+    assert sum(x > 1 for x in ratios.values()) == 2
 
 
 # --------------------------------------------------------------------------- 09: the causal imbalance is 2P - 1

@@ -54,3 +54,46 @@ def test_lesson10_padding_and_the_tables_labels():
     assert "cudnn" not in paged_header
     assert "**equal-length, non-paged** batch" in _flat(_markdown("10_serving"))
     assert "eq_sdpa" in _outputs("10_serving", "L.show_serving_results()")
+
+
+# --------------------------------------------------------------------------- Going deeper: the serving figures
+def test_serving_summary_reads_each_section_and_labels_it():
+    from helpers import lesson10 as L
+    from helpers.results import results_label
+    res = L.load_results()
+    text = L.serving_summary(res)
+    for section in ("varlen", "paged", "decode"):
+        label = f"{len(res[section])} rows · {results_label(res, section)} · {res[f'{section}_meta']['timing']}"
+        assert label in text, section
+        assert "median" in res[f"{section}_meta"]["timing"]
+    pg = [r for r in res["paged"] if r["block_size"] == 16]
+    ratios = [r["triton_gbs"] / r["contig_triton_gbs"] for r in pg]
+    assert f"16: {min(ratios):.2f}x to {max(ratios):.2f}x" in text
+    assert text in _outputs("10_serving", "L.serving_summary(L.load_results())")   # the saved output is the record's
+    assert L.serving_summary({}).count(L.NOT_MEASURED) == 3
+
+
+def test_what_lesson10_says_of_the_serving_figures_follows_from_the_record():
+    """Going deeper's words: packing against padding by mix; against the dense kernel; the block size; decode."""
+    from helpers import lesson10 as L
+    res = L.load_results()
+    pad = {}
+    for r in res["varlen"]:
+        pad.setdefault(r["mix"], []).append(r["triton_tflops"] / r["sdpa_padded_tflops"])
+    assert min(pad["long-tailed"]) > 3 * max(pad["uniform"])              # several times faster
+    assert min(pad["uniform"]) > 1 > max(pad["equal"])                    # faster by less; cuDNN ahead on equal
+    dense = {}
+    for r in res["varlen"]:
+        dense.setdefault(r["mix"], []).append(r["triton_tflops"] / r["dense_triton_tflops"])
+    assert min(dense["long-tailed"]) > 1
+    assert all(0.85 < x < 1.05 for m in ("uniform", "equal") for x in dense[m])      # close
+    groups = {}
+    for r in res["paged"]:
+        groups.setdefault((r["dtype"], r["B"], r["mean_len"]), {})[r["block_size"]] = r["triton_gbs"] / r["contig_triton_gbs"]
+    for g in groups.values():
+        assert min(g, key=g.get) == 16
+        assert all(x > 0.985 for b, x in g.items() if b >= 128)               # almost nothing from 128 on
+    big = [r for r in res["decode"] if r["cache_mib"] >= 256]
+    assert big and all(0.97 < r["triton_gbs"] / r["sdpa_cudnn_gbs"] < 1.03 for r in big)
+    smallest = min(res["decode"], key=lambda r: r["cache_mib"])
+    assert smallest["triton_gbs"] / smallest["triton_graph_gbs"] < 0.5       # launch-bound under do_bench

@@ -11,6 +11,8 @@
 - ``kv_bytes_per_token`` / ``decode_kv_time_s``: decode is memory-bound; time ~ bytes / bandwidth.
 - ``make_paged_cache``: a contiguous cache cut into pages, scattered in a pool, with its block table.
 - ``plot_*`` / ``render_explorer``: the figures (matplotlib only; widgets call ``render_explorer``).
+- ``split_sweep_rows`` / ``split_sweep_table`` / ``split_sweep_summary``: what the number of splits did to the
+  course's paged decode kernel on the H200, read from ``bench/results/h200.json`` (its ``"paged"`` rows).
 
 Numbers for the H200 SXM (NVIDIA's datasheet): 132 SMs, 4.8 TB/s of HBM3e bandwidth,
 about 989 TFLOP/s dense BF16.
@@ -25,7 +27,8 @@ __all__ = ["H200_SMS", "H200_BYTES_PER_S", "H200_BF16_FLOPS", "split_bounds", "w
            "suggest_splits", "num_splits_heuristic", "fa2_num_splits", "decode_flops_per_byte",
            "kv_bytes_per_token", "decode_kv_time_s", "make_paged_cache",
            "plot_work_units", "plot_decode_time", "render_explorer", "plot_paged_cache", "MODELS",
-           "plot_split_weights", "combine_splits_ref", "flash_decode_ref", "flash_decode_paged_ref"]
+           "plot_split_weights", "combine_splits_ref", "flash_decode_ref", "flash_decode_paged_ref",
+           "split_sweep_rows", "split_sweep_table", "split_sweep_summary"]
 
 H200_SMS = 132
 H200_BYTES_PER_S = 4.8e12
@@ -354,3 +357,65 @@ def plot_split_weights(lse_parts: torch.Tensor, head: int = 0, ax=None):
     ax.set_ylabel("exp(lse_s - lse)")
     ax.set_title(f"head {head}: each split's share of the softmax mass (sums to {float(w.sum()):.3f})", fontsize=10)
     return w
+
+
+# ----------------------------------------------------------------- measured: what the splits buy
+def split_sweep_rows(res) -> list[dict]:
+    """The paged-decode rows of a record (``res["paged"]``) as ``{..., "gbs": {num_splits: GB/s}}``.
+
+    Each row's own run (its default ``num_splits``, ``triton_gbs``) and the other counts it swept
+    (``splits_sweep_gbs``), one dict per row, sorted by (dtype, B, mean_len, block_size).
+    """
+    out = []
+    for r in (res or {}).get("paged") or []:
+        gbs = {int(s): g for s, g in (r.get("splits_sweep_gbs") or {}).items() if g}
+        if r.get("triton_gbs"):
+            gbs[int(r["num_splits"])] = r["triton_gbs"]
+        out.append(dict(dtype=r["dtype"], B=r["B"], H=r["H"], Hkv=r["Hkv"], d=r["d"], block_size=r["block_size"],
+                        mean_len=r["mean_len"], default=int(r["num_splits"]), gbs=dict(sorted(gbs.items()))))
+    return sorted(out, key=lambda r: (r["dtype"], r["B"], r["mean_len"], r["block_size"]))
+
+
+def _label(res) -> str:
+    from ..results import results_label
+    timing = ((res or {}).get("paged_meta") or {}).get("timing", "").split(";")[0]
+    return results_label(res, "paged") + (f" · {timing}" if timing else "")
+
+
+def split_sweep_table(res) -> str:
+    """A plain-text table: GB/s of the paged decode at each number of splits measured (* = the default's)."""
+    rows = split_sweep_rows(res)
+    if not rows:
+        return "paged decode: no rows in this record (not measured yet)"
+    counts = sorted({s for r in rows for s in r["gbs"]})
+    lines = ["paged decode, GB/s (K and V read once) by num_splits (* = the kernel's default); " + _label(res),
+             f"{'dtype':>8} {'B':>3} {'H':>3} {'Hkv':>3} {'block':>5} {'mean_len':>8} {'B·Hkv':>5} "
+             + " ".join(f"{f'{s} split' + ('s' if s > 1 else ''):>9}" for s in counts)]
+    for r in rows:
+        cells = [(f"{r['gbs'][s]:.0f}" + ("*" if s == r["default"] else " ")) if s in r["gbs"] else "— "
+                 for s in counts]
+        lines.append(f"{r['dtype']:>8} {r['B']:>3} {r['H']:>3} {r['Hkv']:>3} {r['block_size']:>5} "
+                     f"{r['mean_len']:>8} {r['B'] * r['Hkv']:>5} " + " ".join(f"{c:>9}" for c in cells))
+    return "\n".join(lines)
+
+
+def split_sweep_summary(res) -> str:
+    """One line per batch size: the slowest and the fastest number of splits and their GB/s ratio, per row
+    (a geometric mean over the block sizes), with the record's label."""
+    from ..results import geomean
+    rows = split_sweep_rows(res)
+    if not rows:
+        return "paged decode: no rows in this record (not measured yet)"
+    lines = []
+    for B in sorted({r["B"] for r in rows}):
+        sel = [r for r in rows if r["B"] == B and len(r["gbs"]) > 1]
+        if not sel:
+            continue
+        common = sorted(set.intersection(*(set(r["gbs"]) for r in sel)))
+        mean = {s: geomean([r["gbs"][s] for r in sel]) for s in common}
+        lo, hi = min(mean, key=mean.get), max(mean, key=mean.get)
+        lines.append(f"B = {B} ({sel[0]['B'] * sel[0]['Hkv']} KV-head programs per split, {len(sel)} rows): "
+                     f"fastest at {hi} splits, {mean[hi] / mean[lo]:.2f}x the GB/s of {lo} "
+                     f"(geomean over the rows; the kernel's default: "
+                     f"{' or '.join(str(s) for s in sorted({r['default'] for r in sel}))})")
+    return "\n".join(lines + [_label(res)])

@@ -22,7 +22,7 @@ from ..triton_mode import TritonMissing  # noqa: F401 - the stop every Triton le
 
 __all__ = ["LOG2E", "LN2", "reference_bhnd", "reference_decode", "split_bounds", "tile_classes",
            "plot_tile_classes", "sdpa_error", "load_results", "results_label", "prefill_rows",
-           "decode_rows", "prefill_table", "decode_table", "geomean_ratio", "plot_prefill", "plot_decode",
+           "decode_rows", "prefill_table", "decode_table", "geomean_ratio", "prefill_summary", "decode_summary", "plot_prefill", "plot_decode",
            "bench_prefill_live", "bench_decode_live", "measure_ceilings", "RESULTS",
            "TritonMissing", "require_triton", "show_recorded_results"]
 
@@ -250,17 +250,16 @@ def require_triton():
 
 
 def show_recorded_results(res=None):
-    """The committed benchmark (``bench/results/h200.json``): its tables, then its plots."""
+    """The committed benchmark (``bench/results/h200.json``): its summaries and tables, then its plots."""
     res = load_results() if res is None else res
     if res is None:
         print(f"(no recorded results: {RESULTS} is missing)")
         return
     print()
-    print(results_label(res, "prefill"))
+    print(prefill_summary(res))
+    print(decode_summary(res))
+    print()
     print(prefill_table(res))
-    for other in ("sdpa_flash_tflops", "sdpa_cudnn_tflops"):
-        r = geomean_ratio(res, other)
-        print(f"geomean Triton / {other.split('_')[1]} over N >= 2048: " + ("—" if r is None else f"{r:.2f}x"))
     print()
     print(decode_table(res))
     import io
@@ -280,7 +279,7 @@ def show_recorded_results(res=None):
 
 
 def decode_rows(res):
-    return sorted(res.get("decode", []), key=lambda r: (r["dtype"], r["d"], r["H"], r["Hkv"], r["B"], r["Nk"]))
+    return sorted((res or {}).get("decode") or [], key=lambda r: (r["dtype"], r["d"], r["H"], r["Hkv"], r["B"], r["Nk"]))
 
 
 def prefill_table(res) -> str:
@@ -306,4 +305,49 @@ def decode_table(res) -> str:
         lines.append(f"{r['dtype']:>8} {r['B']:>3} {r['H']:>3} {r['Hkv']:>3} {r['Nk']:>7} {r['d']:>4} "
                      f"{str(r.get('num_splits', '—')):>6} {_f(t):>7} {_f(r.get('sdpa_flash_gbs')):>7} {_f(cu):>7} "
                      f"{_f(t / cu if t and cu else None, 2):>9}")
+    return "\n".join(lines)
+
+
+def _statistic(res, section) -> str:
+    meta = (res or {}).get(f"{section}_meta") or res or {}
+    return meta.get("timing", "")
+
+
+def prefill_summary(res, min_N: int = 2048) -> str:
+    """The prefill rows in a few lines: the geometric means of Triton / SDPA flash and Triton / SDPA cuDNN over
+    the rows with N >= min_N (every dtype, head dim and causal setting), how many of all the rows Triton is the
+    faster on, and the label (GPU, versions, date) and statistic."""
+    rows = section_rows(res, "prefill")
+    if not rows:
+        return "prefill: no rows in this record (not measured yet)"
+    long = [r for r in rows if r["N"] >= min_N]
+    dtypes = " and ".join(sorted({r["dtype"] for r in long}))
+    lines = [f"prefill, geomean over N >= {min_N} ({dtypes}, d {' and '.join(str(d) for d in sorted({r['d'] for r in long}))}, "
+             f"causal and not; {len(long)} rows):"]
+    for other, name in (("sdpa_flash_tflops", "flash"), ("sdpa_cudnn_tflops", "cuDNN")):
+        g = geomean_ratio(res, other, min_N)
+        pairs = [(r["triton_tflops"], r[other]) for r in rows if r.get("triton_tflops") and r.get(other)]
+        faster = sum(t > o for t, o in pairs)
+        lines.append(f"  Triton / SDPA {name}: " + ("—" if g is None else f"{g:.2f}x")
+                     + f"; Triton the faster on {faster} of {len(pairs)} rows (all N)")
+    lines.append("  " + results_label(res, "prefill") + " · " + _statistic(res, "prefill"))
+    return "\n".join(lines)
+
+
+def decode_summary(res, min_cache_mib: float = 256) -> str:
+    """The decode rows in a few lines: on caches of at least ``min_cache_mib`` MiB the range of Triton's GB/s and of
+    Triton / cuDNN; on the smaller caches the same ratio; the label and statistic."""
+    rows = decode_rows(res)
+    if not rows:
+        return "decode: no rows in this record (not measured yet)"
+    big = [r for r in rows if r.get("cache_mib", 0) >= min_cache_mib and r.get("triton_gbs")]
+    small = [r for r in rows if r.get("cache_mib", 0) < min_cache_mib and r.get("triton_gbs")]
+    lines = ["decode, GB/s (K and V read once):"]
+    for sel, what in ((big, f"caches of {min_cache_mib:g} MiB or more"), (small, "smaller caches")):
+        cu = [r["triton_gbs"] / r["sdpa_cudnn_gbs"] for r in sel if r.get("sdpa_cudnn_gbs")]
+        if sel:
+            lines.append(f"  {what} ({len(sel)} rows): Triton {min(r['triton_gbs'] for r in sel):.0f} to "
+                         f"{max(r['triton_gbs'] for r in sel):.0f} GB/s, Triton / cuDNN "
+                         + (f"{min(cu):.2f}x to {max(cu):.2f}x" if cu else "—"))
+    lines.append("  " + results_label(res, "decode") + " · " + _statistic(res, "decode"))
     return "\n".join(lines)

@@ -21,7 +21,7 @@ import torch
 from .. import lesson04
 
 __all__ = ["flash_attn_fwd", "attn_bwd_preprocess_ref", "flash_attn_bwd_ref", "flash_attn_bwd_two_pass",
-           "FlashAttentionRef", "attention_bhtd", "p_memory", "p_traffic_time", "BwdStep", "bwd_schedule",
+           "FlashAttentionRef", "attention_bhtd", "p_memory", "p_traffic_time", "measured_rates", "BwdStep", "bwd_schedule",
            "render_bwd_step", "make_text", "CharData", "TinyGPT", "train", "plot_losses"]
 
 NEG_INF = -math.inf
@@ -210,6 +210,18 @@ def p_traffic_time(d: int = 128, bytes_per=2, flops=None, bytes_per_s=None) -> d
     bytes_per_s = H200_BYTES_PER_S if bytes_per_s is None else bytes_per_s
     return dict(matmul_fwd=4 * d / flops, matmul_bwd=10 * d / flops,
                 p_round_trip=2 * bytes_per / bytes_per_s, standard_fwd=4 * bytes_per / bytes_per_s)
+
+
+def measured_rates(res=None) -> dict:
+    """The H200's measured bf16 matmul rate (FLOP/s) and copy bandwidth (bytes/s, read plus written), from the
+    ceilings ``bench/bench.py`` records in ``bench/results/h200.json``, with that record's label; None if absent."""
+    from ..results import load_results, results_label
+    res = load_results() if res is None else res
+    ceil = (res or {}).get("ceilings") or {}
+    if not ceil.get("bf16_matmul_tflops") or not ceil.get("copy_gbs_read_plus_write"):
+        return None
+    return dict(flops=ceil["bf16_matmul_tflops"] * 1e12, bytes_per_s=ceil["copy_gbs_read_plus_write"] * 1e9,
+                label=f"{results_label(res)} · {res.get('timing', '?')}")
 
 
 # ------------------------------------------------------------------ the backward tile walk

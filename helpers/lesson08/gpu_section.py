@@ -3,8 +3,9 @@ backward benchmark and the GPT training record.
 
 Nothing here imports Triton at module level (``helpers.lesson08.check_gpu`` imports this file whenever
 a notebook runs ``from helpers import check``). The recorded results are ``bench/results/h200.json``
-(rows under ``"backward"``, written by ``bench/bench_bwd.py``) and ``bench/results/train_gpt.json``
-(written by ``bench/train_gpt.py``).
+(rows under ``"backward"`` and ``"backward_gqa"``, written by ``bench/bench_bwd.py``), ``bench/results/train_gpt.json``
+(written by ``bench/train_gpt.py``) and ``bench/results/train_llama.json`` (``bench/train_llama.py``); each table
+and summary here names the GPU, versions, date and statistic of its record.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..results import geomean_ratio as _geomean_ratio
 
 __all__ = ["NO_TRITON", "require_triton", "LOG2E", "reference_grads", "load_results", "load_training", "results_label", "backward_rows",
            "backward_table", "geomean_ratio", "plot_backward", "plot_training", "training_summary",
-           "RESULTS", "TRAINING"]
+           "backward_summary", "gqa_summary", "load_llama", "llama_summary", "RESULTS", "TRAINING", "LLAMA"]
 
 LOG2E = reference.LOG2E  # log2(e): the kernels' scores and lse are in base 2
 
@@ -77,7 +78,8 @@ def training_summary(rec) -> str:
     f, s = rec["runs"]["flash"], rec["runs"]["sdpa"]
     return (f"final loss {f['loss'][-1]:.4f} (flash_attention) vs {s['loss'][-1]:.4f} (SDPA); largest per-step "
             f"difference {rec['max_loss_diff']:.4f}; {f['tokens_per_s']:.0f} vs {s['tokens_per_s']:.0f} tokens/s "
-            f"({rec['speedup_tokens_per_s']:.2f}x); {rec.get('device_name', '?')}, torch {rec.get('torch', '?')}, "
+            f"({rec['speedup_tokens_per_s']:.2f}x" + (f", over the last {f['timed_steps']} steps" if f.get("timed_steps") else "")
+            + f"); {rec.get('device_name', '?')}, torch {rec.get('torch', '?')}, "
             f"triton {rec.get('triton', '?')}, {rec.get('date', '?')}")
 
 
@@ -94,17 +96,22 @@ def require_triton():
 
 
 def _show_recorded():
-    res, rec = load_results(), load_training()
+    res, rec, llama = load_results(), load_training(), load_llama()
     if res is not None and res.get("backward"):
         print()
-        print(results_label(res, "backward"))
+        print(backward_summary(res))
+        print(gqa_summary(res))
+        print()
         print(backward_table(res))
     if rec is not None:
         print()
         print(training_summary(rec))
+    if llama is not None:
+        print(llama_summary(llama))
 
 
 TRAINING = RESULTS_DIR / "train_gpt.json"
+LLAMA = RESULTS_DIR / "train_llama.json"
 
 
 def load_training(path=TRAINING):
@@ -125,3 +132,63 @@ def backward_table(res) -> str:
                      f"{_f(t / c if t and c else None, 2):>7} {_f(r.get('err_ratio'), 2):>8} "
                      f"{'✓' if r.get('pass') else '✗':>3}")
     return "\n".join(lines)
+
+
+def _meta(res, section) -> str:
+    meta = (res or {}).get(f"{section}_meta") or {}
+    return results_label(res, section) + (f" · {meta['timing']}" if meta.get("timing") else "")
+
+
+def backward_summary(res, min_N: int = 2048) -> str:
+    """The backward rows in a few lines: geometric means over N >= min_N of Triton / SDPA flash and Triton / SDPA
+    cuDNN, how many of all the rows Triton is the faster on, and the label and statistic."""
+    rows = backward_rows(res)
+    if not rows:
+        return "backward: no rows in this record (not measured yet)"
+    n_long = sum(r["N"] >= min_N for r in rows)
+    lines = [f"backward alone, geomean over N >= {min_N} ({n_long} rows; fp16 and bf16, d 64 and 128, causal and not):"]
+    for other, name in (("sdpa_flash_tflops", "flash"), ("sdpa_cudnn_tflops", "cuDNN")):
+        g = geomean_ratio(res, other, min_N)
+        pairs = [(r["triton_tflops"], r[other]) for r in rows if r.get("triton_tflops") and r.get(other)]
+        lines.append(f"  Triton / SDPA {name}: " + ("—" if g is None else f"{g:.2f}x")
+                     + f"; Triton the faster on {sum(t > o for t, o in pairs)} of {len(pairs)} rows (all N)")
+    lines.append(f"  every row checked first: {sum(bool(r.get('pass')) for r in rows)} of {len(rows)} within the rule")
+    lines.append("  " + _meta(res, "backward"))
+    return "\n".join(lines)
+
+
+def gqa_summary(res) -> str:
+    """The GQA backward rows (``"backward_gqa"``): their shapes, the range of Triton / SDPA's flash backward with
+    ``enable_gqa=True`` and of Triton / the course's own backward on K and V repeated to H heads; label, statistic."""
+    rows = (res or {}).get("backward_gqa") or []
+    if not rows:
+        return "GQA backward: no rows in this record (not measured yet)"
+    sdpa = [r["triton_tflops"] / r["sdpa_flash_gqa_tflops"] for r in rows]
+    rep = [r["triton_tflops"] / r["triton_repeated_kv_tflops"] for r in rows]
+    shape = (f"H = {'/'.join(str(h) for h in sorted({r['H'] for r in rows}))}, Hkv = "
+             f"{' or '.join(str(h) for h in sorted({r['Hkv'] for r in rows}))}, d = "
+             f"{'/'.join(str(d) for d in sorted({r['d'] for r in rows}))}, "
+             f"{'/'.join(sorted({r['dtype'] for r in rows}))}, N {min(r['N'] for r in rows)} to "
+             f"{max(r['N'] for r in rows)}, causal and not; {len(rows)} rows, {sum(bool(r['pass']) for r in rows)} pass")
+    return (f"GQA backward ({shape}):\n"
+            f"  Triton / SDPA flash with enable_gqa=True: {min(sdpa):.2f}x to {max(sdpa):.2f}x\n"
+            f"  Triton / the course's backward on K and V repeated to H heads: {min(rep):.2f}x to {max(rep):.2f}x\n"
+            f"  " + _meta(res, "backward_gqa"))
+
+
+def load_llama(path=LLAMA):
+    """The Llama-style training record (bench/train_llama.py), or None when none is recorded."""
+    return load_json(path)
+
+
+def llama_summary(rec) -> str:
+    """One paragraph of the Llama-style training record: the model, the run, tokens/s both ways, the loss gap."""
+    if not rec or "runs" not in rec:
+        return "Llama-style training: no record (run bench/train_llama.py on a GPU)"
+    c, f, s = rec["config"], rec["runs"]["course"], rec["runs"]["sdpa"]
+    return (f"Llama-style model: {c['n_layer']} layers, {rec['parameters'] / 1e6:.0f}M parameters, "
+            f"GQA {c['n_head']}:{c['n_kv_head']}, d = {c['head_dim']}, context {c['T']}, {rec['dtype']}, "
+            f"{c['steps']} steps on packed documents; flash_attention_varlen {f['tokens_per_s'] / 1e3:.0f}k vs SDPA "
+            f"with a boolean document mask {s['tokens_per_s'] / 1e3:.0f}k tokens/s ({rec['speedup_tokens_per_s']:.2f}x, "
+            f"over the last {f['timed_steps']} steps); losses within {rec['max_loss_diff']:.3f} nats/byte at every "
+            f"step; one run each; {rec['device_name']}, torch {rec['torch']}, triton {rec['triton']}, {rec['date']}")

@@ -32,7 +32,7 @@ from .launcher import (LAST_PIDS, START_METHOD_ENV, RankStats, RingError, RingNo
 __all__ = ["run_ring", "launch", "RingError", "RankStats", "shard", "unshard", "chunks_of_rank",
            "check_layout", "chunk_attention", "merge_reference", "ring_schedule", "plot_schedule",
            "kv_bytes", "activation_bytes", "plot_memory", "step_times", "plot_overlap",
-           "load_gpu_results", "gpu_results_table", "H200_HBM_BYTES", "H200_BF16_FLOPS",
+           "load_gpu_results", "gpu_results_table", "ring_label", "overlap_summary", "H200_HBM_BYTES", "H200_BF16_FLOPS",
            "NVLINK_BYTES_PER_S", "START_METHOD_ENV", "GPU_RESULTS"]
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -263,11 +263,47 @@ def load_gpu_results(path=RING):
 
 
 # lesson 09: ring attention on two GPUs
+def ring_label(res) -> str:
+    """The machine, versions, date and statistic of the two-GPU record (its ``meta``)."""
+    meta = (res or {}).get("meta", {})
+    label = (f"{meta.get('gpus', '?')} x {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, "
+             f"triton {meta.get('triton', '?')}, {meta.get('date', '?')}")
+    return label + (f"; {meta['timing']}" if meta.get("timing") else "")
+
+
+def overlap_summary(res, efficiency=0.6) -> str:
+    """What the two-GPU record says of overlap: the tokens of K/V each step sends against the model's F / B
+    (``efficiency`` x the datasheet's BF16 rate over one NVLink direction), one chunk's transfer time against a
+    step's compute, the end-to-end time with overlap over without for each (layout, N), and the speedup over one
+    GPU; the record's label last."""
+    rows = (res or {}).get("ring") or []
+    if not rows:
+        return "ring attention on two GPUs: no rows in this record (not measured yet)"
+    f_over_b = efficiency * H200_BF16_FLOPS / NVLINK_BYTES_PER_S
+    sent = sorted({r["N"] // r["world"] for r in rows})                     # K/V tokens passed per step
+    transfer = [r["transfer_ms"] for r in rows if r.get("transfer_ms")]
+    steps = [s for r in rows for s in (r.get("step_ms") or [])]
+    by = {(r["layout"], r["N"], bool(r["overlap"])): r["ms"] for r in rows}
+    ratios = {(lay, N): by[(lay, N, True)] / by[(lay, N, False)] for (lay, N, o) in by if o and (lay, N, False) in by}
+    slower = sorted(k for k, x in ratios.items() if x > 1)
+    speed = [r["speedup"] for r in rows if r.get("speedup")]
+    lines = [f"K/V sent per step: {sent[0]:,} to {sent[-1]:,} tokens, {sent[0] / f_over_b:.0f}x to "
+             f"{sent[-1] / f_over_b:.0f}x F / B = {f_over_b:,.0f} tokens (the model above)"]
+    if transfer and steps:
+        lines.append(f"one K/V chunk over NVLink: {min(transfer):.1f} to {max(transfer):.1f} ms; one ring step's "
+                     f"compute: {min(steps):.1f} to {max(steps):.1f} ms")
+    if ratios:
+        lines.append(f"end to end, with overlap / without: {min(ratios.values()):.3f}x to {max(ratios.values()):.3f}x "
+                     f"over {len(ratios)} (layout, N) pairs; without overlap faster in {len(slower)}: "
+                     + (", ".join(f"{lay} {N // 1024}k" for lay, N in slower) or "none"))
+    if speed:
+        lines.append(f"two GPUs against one on the whole sequence: {min(speed):.2f}x to {max(speed):.2f}x")
+    return "\n".join(lines + [ring_label(res)])
+
+
 def gpu_results_table(res) -> str:
     """The "ring" rows as a text table, with the machine, versions and date; each row says whether it was causal."""
-    meta = res.get("meta", {})
-    lines = [f"{meta.get('gpus', '?')} x {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, "
-             f"triton {meta.get('triton', '?')}, {meta.get('date', '?')}",
+    lines = [ring_label(res),
              f"{'layout':10s} {'causal':>6s} {'overlap':>7s} {'N':>8s} {'ring ms':>9s} {'1 GPU ms':>9s} {'speedup':>8s}"]
     for row in res.get("ring", []):
         single = row.get("single_gpu_ms")

@@ -14,7 +14,8 @@
 - ``gather_kv_ref``: the course's reference for exercise 2, the page lookup.
 - ``kv_cache_bytes``: the cache's size, MHA against GQA.
 - ``serving_results`` / ``show_serving_results``: the ``"varlen"``, ``"paged"`` and ``"decode"`` rows of
-  ``bench/results/h200.json`` (written by ``make bench``), or "not measured yet".
+  ``bench/results/h200.json`` (written by ``make bench``), or "not measured yet"; ``serving_summary``: what
+  they say, one line a comparison (geometric means and ranges of the rows' ratios), each with its label.
 
 Nothing here imports Triton (``helpers.lesson10.check`` imports this module in every notebook).
 """
@@ -27,7 +28,7 @@ import random
 import torch
 
 from .. import triton_mode
-from ..results import NOT_MEASURED, RESULTS, load_results, results_label
+from ..results import NOT_MEASURED, RESULTS, geomean, load_results, results_label
 from ..results import fmt as _f
 from ..results import ratio as _ratio
 
@@ -35,7 +36,7 @@ __all__ = ["cu_seqlens_from_lengths", "check_cu_seqlens", "lengths_from_cu_seqle
            "waste_table", "plot_waste", "long_tailed_lengths", "uniform_lengths", "few_long_many_short",
            "num_programs", "varlen_block_map_ref", "plot_block_map", "CacheFull", "BlockAllocator", "PagedKVCache",
            "gather_kv_ref", "plot_pool", "kv_cache_bytes", "block_waste", "RESULTS", "load_results", "results_label",
-           "serving_results", "serving_tables", "show_serving_results", "NOT_MEASURED", "NO_TRITON",
+           "serving_results", "serving_tables", "show_serving_results", "serving_summary", "NOT_MEASURED", "NO_TRITON",
            "require_triton"]
 
 
@@ -513,4 +514,63 @@ def serving_tables(res) -> str:
                        f"{_ratio(t, cu):>9}")
     else:
         out.append(f"  {NOT_MEASURED}")
+    return "\n".join(out)
+
+
+def _timing(res, section) -> str:
+    """The statistic of a section (its ``<section>_meta["timing"]``), "" when absent."""
+    meta = (res or {}).get(f"{section}_meta") or {}
+    return meta.get("timing", "")
+
+
+def _span(xs) -> str:
+    return f"{min(xs):.2f}x to {max(xs):.2f}x" if xs else "—"
+
+
+def serving_summary(res) -> str:
+    """What the three serving sections say, in a few lines (each ratio a range or a geometric mean over the
+    rows named), each section's label (GPU, versions, date) and statistic after its lines."""
+    rows = serving_results(res)
+    out = []
+    v = rows["varlen"]
+    if v:
+        mixes = sorted({r.get("mix") or "?" for r in v})
+        pad = {m: [r["triton_tflops"] / r["sdpa_padded_tflops"] for r in v
+                   if (r.get("mix") or "?") == m and r.get("triton_tflops") and r.get("sdpa_padded_tflops")]
+               for m in mixes}
+        dense = {m: [r["triton_tflops"] / r["dense_triton_tflops"] for r in v
+                     if (r.get("mix") or "?") == m and r.get("triton_tflops") and r.get("dense_triton_tflops")]
+                 for m in mixes}
+        out.append("varlen prefill / SDPA on the padded batch, by mix: "
+                   + "; ".join(f"{m} {_span(pad[m])}" for m in mixes))
+        out.append("varlen prefill / the dense kernel on equal lengths of the same tokens, by mix: "
+                   + "; ".join(f"{m} {_span(dense[m])}" for m in mixes))
+        out.append(f"  {len(v)} rows · {results_label(res, 'varlen')} · {_timing(res, 'varlen')}")
+    else:
+        out.append(f"varlen prefill: {NOT_MEASURED}")
+    pg = rows["paged"]
+    if pg:
+        sizes = sorted({r["block_size"] for r in pg})
+        by = {b: [r["triton_gbs"] / r["contig_triton_gbs"] for r in pg
+                  if r["block_size"] == b and r.get("triton_gbs") and r.get("contig_triton_gbs")] for b in sizes}
+        out.append("paged decode / the contiguous cache, by block size: "
+                   + "; ".join(f"{b}: {_span(by[b])}" for b in sizes))
+        out.append(f"  {len(pg)} rows · {results_label(res, 'paged')} · {_timing(res, 'paged')}")
+    else:
+        out.append(f"paged decode: {NOT_MEASURED}")
+    d = rows["decode"]
+    if d:
+        big = [r for r in d if r.get("cache_mib", 0) >= 256]
+        small = sorted((r for r in d if r.get("cache_mib", 0) < 256), key=lambda r: r["cache_mib"])
+        cu = [r["triton_gbs"] / r["sdpa_cudnn_gbs"] for r in big if r.get("triton_gbs") and r.get("sdpa_cudnn_gbs")]
+        g = [r["triton_gbs"] / _graph_gbs(r) for r in big if r.get("triton_gbs") and _graph_gbs(r)]
+        out.append(f"decode, caches of 256 MiB or more ({len(big)} rows): Triton / cuDNN {_span(cu)}, "
+                   f"do_bench / CUDA graph {_span(g)}")
+        for r in small:
+            out.append(f"decode, a {r['cache_mib']:.0f} MiB cache: Triton / cuDNN "
+                       f"{r['triton_gbs'] / r['sdpa_cudnn_gbs']:.2f}x, do_bench / CUDA graph "
+                       f"{r['triton_gbs'] / _graph_gbs(r):.2f}x")
+        out.append(f"  {len(d)} rows · {results_label(res, 'decode')} · {_timing(res, 'decode')}")
+    else:
+        out.append(f"decode: {NOT_MEASURED}")
     return "\n".join(out)
