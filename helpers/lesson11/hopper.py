@@ -59,7 +59,8 @@ def bench_gluon_live(shapes=((1, 16, 4096, 128), (2, 32, 4096, 64)), dtype=torch
     """On an sm_90 GPU: a small live version of bench/bench_gluon.py, rows shaped like its record (``meta``,
     ``rows``), so that ``records.gluon_table`` prints them. ``variants``: ``gluon_forward``'s (``"one"``, ``"ws"``,
     ``"pp"``), recorded as ``gluon``, ``gluon_ws``, ``gluon_pp``. Each Gluon variant is checked against float64 first
-    (2x SDPA's own error) and timed only when correct; do_bench's median, L2 flushed by do_bench."""
+    (2x SDPA's own error) and timed only when correct; do_bench's median, L2 flushed by do_bench. The "triton" column is
+    the course's Triton forward (``flash_attn_triton(..., backend="triton")``), not the kernel it routes to."""
     import torch.nn.functional as F
     import triton
     from triton.testing import do_bench
@@ -92,7 +93,8 @@ def bench_gluon_live(shapes=((1, 16, 4096, 128), (2, 32, 4096, 64)), dtype=torch
             row[f"{key}_pass"] = (o.double() - o64).abs().max().item() <= 2 * sdpa_err + torch.finfo(dtype).eps
             if row[f"{key}_pass"]:
                 row[f"{key}_tflops"] = flops / ms(lambda: gluon_forward(q, k, v, variant=var)) / 1e9
-        row["triton_tflops"] = flops / ms(lambda: flash_attn_triton(q, k, v)) / 1e9
+        # backend="triton": on sm_90 flash_attn_triton routes these shapes to the Gluon forward (forward.GLUON_ROUTES)
+        row["triton_tflops"] = flops / ms(lambda: flash_attn_triton(q, k, v, backend="triton")) / 1e9
         for backend in ("flash", "cudnn"):
             t = sdpa(backend, q, k, v)
             row[f"sdpa_{backend}_tflops"] = None if t is None else flops / t / 1e9
