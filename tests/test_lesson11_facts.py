@@ -263,3 +263,15 @@ def test_readme_figures_match_their_records():
     xs = [r["gluon_ppp_tflops"] / r["gluon_auto_tflops"] for r in ppp if r["causal"]]
     assert f"{span(xs)} the one-item grid on causal rows" in readme
     assert math.isfinite(R.geomean(xs))
+
+
+def test_a_long_tables_summary_is_its_label_and_summary_lines():
+    """The lesson shows each long table as its label and summary lines, the rows in a cell with folded output."""
+    full = R.route_table()
+    short = R.summary(full)
+    assert short.splitlines()[0] == full.splitlines()[0]
+    assert all(ln.startswith("  ") for ln in short.splitlines()[1:]) and "routed rows (12)" in short
+    assert not any(ln.startswith(("bfloat16", " float16")) for ln in short.splitlines())
+    for fn in ("route_table", "gluon_targets_table", "gluon_profile_table", "gluon_ppp_table"):
+        folded = [c for c in _cells(NB, "code") if c.source.startswith(f"print(records.{fn}())")]
+        assert len(folded) == 1 and folded[0].metadata["jupyter"]["outputs_hidden"] is True, fn

@@ -37,7 +37,7 @@ def require_hopper() -> bool:
     the next cell, ``show_recorded_hopper()``, on every machine."""
     why = hopper_here()
     if why:
-        print(why + " The figures recorded on an H200 follow.")
+        print(why + " The figures recorded on an H200 follow in \"Going deeper\".")
         return False
     return True
 

@@ -206,9 +206,19 @@ def gluon_profile_table(res=None) -> str:
     for case, p in prof.items():
         twin = case.replace("-gluon-", "-cudnn-")
         if "-gluon-" in case and twin in prof:
+            g, c = p["main"], prof[twin]["main"]
             lines.append(f"  {case.replace('-gluon', '')}: the Gluon call takes {p['ms'] / prof[twin]['ms']:.2f}x "
-                         f"cuDNN's time under ncu")
+                         f"cuDNN's time under ncu; tensor pipe {g.get('tensor_pct', 0):.1f}% ({g['kernel'][:12]}) "
+                         f"against {c.get('tensor_pct', 0):.1f}%; registers {g.get('registers', 0):.0f} against "
+                         f"{c.get('registers', 0):.0f}; grid {g.get('grid', 0):.0f} against {c.get('grid', 0):.0f}")
     return "\n".join(lines)
+
+
+def summary(table: str) -> str:
+    """A table's label (its first line) and its summary lines (those indented by two spaces), without its rows: the
+    line the lesson shows above a long table, whose full form goes in a cell with folded output."""
+    lines = table.splitlines()
+    return "\n".join(lines[:1] + [ln for ln in lines[1:] if ln.startswith("  ") and not ln.startswith("   ")])
 
 
 def plot_gluon(res):
