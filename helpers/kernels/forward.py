@@ -348,8 +348,9 @@ def _check_mods(causal, window_size, softcap, alibi_slopes, H, batch, device, ba
 
 BACKENDS = ("auto", "triton", "gluon")
 # (d, causal) where backend="auto" takes the Gluon forward: where it was faster than this file's kernel on an H200
-# (bf16 and fp16, N 4096 and 16384, 2026-12-01, bench/NOTES.md: 1.02-1.22x). Not d = 64 causal: 0.98-1.04x at
-# N >= 4096, and at N = 2048 (the GPT of bench/train_gpt.py, B = 16, H = 12) 0.349 ms against 0.302.
+# (bf16 and fp16, N 4096 and 16384; bench/NOTES.md, issue 26 call 2; lesson 11's route table prints the run). Not
+# d = 64 causal: there it was within a few percent at N >= 4096, and at N = 2048 (the GPT of bench/train_gpt.py,
+# B = 16, H = 12) routing it made the attention forward slower (bench/results/logs/train_gpt_gluon_fwd_2026-12-01.txt).
 GLUON_ROUTES = {(64, False), (128, False), (128, True)}
 
 

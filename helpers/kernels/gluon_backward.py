@@ -50,7 +50,8 @@ Three launches (``dq_mode="atomic"``: two and a cast):
    With ``PIPELINE`` (``_dq_tiles_deferred``) the dQ GEMM of tile j is left in flight into tile j+1, as in dK/dV.
 
    Deterministic: every dq element is written once, by one program (``dq_mode="separate"``, the default).
-4. Or ``dq_mode="atomic"`` (FA3's way, no dQ kernel): the dK/dV kernel also stores dS^T (bf16/fp16) in shared memory
+4. Or ``dq_mode="atomic"`` (dQ as FA3 adds it, no dQ kernel; FA3 issues the adds from a dQ-writer warp of its own,
+   here the dK/dV warps issue them): the dK/dV kernel also stores dS^T (bf16/fp16) in shared memory
    (then dK's wgmma reads its A from there too, which frees the registers of dS^T's operand copy) and computes
    dQ_i = dS K_j [BLOCK_M, d] with one more wgmma (A = dS, the transposed view of that buffer: an M-major A
    operand), scales it by sm_scale and adds the fp32 tile into a zeroed ``[B*H*N, d]`` buffer with the TMA's
@@ -58,24 +59,23 @@ Three launches (``dq_mode="atomic"``: two and a cast):
    is computed); a cast to the dtype follows. 5 GEMMs per tile pair instead of 7 (the dQ kernel recomputes S and
    dP), at the price of run-to-run differences in the last bits of dq (the adds' order varies). Here keys past Nk
    must not reach dQ: on the ragged last key block every tile is masked. Triton 3.6's Gluon has no name for the
-   TMA's reduce (3.7 on: ``tma.async_atomic_add``), so this module wraps the builder's ``create_async_tma_reduce``.
+   TMA's reduce (3.8 on: ``tma.async_atomic_add``), so this module wraps the builder's ``create_async_tma_reduce``.
 
 Grids are (blocks, heads), as the forward's: the CTAs side by side belong to one head and share its tiles in L2.
 Causal, the heaviest go first: dK/dV's key block 0 is seen by the most rows; dQ reads its query blocks backwards
 (the forward's ``_program_ids``).
 Tiles (``BLOCKS``, ``config=`` overrides them for a sweep) and their shared memory are listed at ``BLOCKS``.
 
-Measured on an H200 (torch 2.11.0+cu130, triton 3.6.0, 2026-12-01): the self-test's 136 cases (both dQ modes)
-within 2x SDPA's own error against float64 autograd; in bf16 and fp16, d 64 and 128, N 4096 and 16384, causal and
-not (``bench/results/gluon_backward_h200.json``, one run): "separate" 0.75x SDPA cuDNN's backward in geomean
-(0.66-0.80x), 0.97x the course's Triton backward (ahead at d = 128, behind at d = 64); "atomic" 0.69x. Every kernel
-compiles for sm_90 under Triton 3.6 and 3.9 (``compile_backward_for_sm90``). ptxas (Triton 3.6's, sm_90a, the
-default tiles) reports for the dK/dV kernel at d = 128 the full 255 registers a thread, with no spills non-causal and
-24 bytes causal, and ~0.35 KiB of spill stores with atomic dQ; at d = 64 190-230 registers, no spills; the dQ kernel
-140-190 registers, no spills. On an sm_90 GPU: ``python -m helpers.kernels.gluon_backward`` runs
-``gluon_backward_selftest()`` (harsh cases against float64 autograd, both dQ modes, one line each, exit code 0/1);
-``bench/bench_gluon.py --bwd`` times it. ``gluon_backward`` checks its inputs on the host first (TypeError/ValueError;
-a CPU tensor: "needs an sm_90 GPU"). Nothing here runs under Triton's interpreter.
+What it measured (the self-test's cases in both dQ modes against float64 autograd; the timings against SDPA and the
+course's Triton backward): ``bench/results/gluon_backward_h200.json`` and ``logs/gluon_backward_selftest_*.log``,
+shown by lesson 11; the runs' history is ``bench/NOTES.md``'s. Every kernel compiles for sm_90 under Triton 3.6 and
+3.9 (``compile_backward_for_sm90``). Registers: the dK/dV kernel at d = 128 uses every one of the 255 a thread, and
+the atomic mode, which adds dQ's operand and tiles to it, spills there (ptxas's report depends on its version;
+with ``TRITON_DUMP_PTXAS_LOG=1`` and a fresh ``TRITON_CACHE_DIR``, ``compile_backward_for_sm90`` prints it). On an
+sm_90 GPU: ``python -m helpers.kernels.gluon_backward`` runs ``gluon_backward_selftest()`` (harsh cases against
+float64 autograd, both dQ modes, one line each, exit code 0/1); ``bench/bench_gluon.py --bwd`` times it.
+``gluon_backward`` checks its inputs on the host first (TypeError/ValueError; a CPU tensor: "needs an sm_90 GPU").
+Nothing here runs under Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ from .gluon_forward import (SELFTEST_CASES, _check_align, _check_inputs, _diag, 
 
 __all__ = ["gluon_backward", "gluon_backward_selftest", "compile_backward_for_sm90", "BLOCKS", "DQ_MODES"]
 
-if hasattr(tma, "async_atomic_add"):                             # Triton 3.7 on: the TMA's reduce-add into global
+if hasattr(tma, "async_atomic_add"):                             # Triton 3.8 on: the TMA's reduce-add into global
     _tma_add = tma.async_atomic_add
 else:                                                            # Triton 3.6: its builder has the op, Gluon no name
     from triton._C.libtriton import ir as _ir
@@ -113,8 +113,8 @@ else:                                                            # Triton 3.6: i
 # BLOCK_M // 16: one warp per 16 rows of the wgmma accumulator. PIPELINE: a tile's last GEMM left in flight into the
 # next (_dkdv_tiles_deferred, _dq_tiles_deferred), so a stage is refilled one tile later and the loads run
 # NUM_STAGES - 1 tiles ahead: three stages where they fit. It is off for the dK/dV kernel at d = 128, where ptxas
-# (Triton 3.6) spills 0.1-0.2 KiB a thread with it and ~0 without (registers: 255 either way); a sweep on the GPU
-# should decide. Shared memory, bf16/fp16 (2 bytes), d = 128:
+# spilled with it and hardly without (Triton 3.6; registers: 255 either way); a sweep on the GPU should decide.
+# Shared memory, bf16/fp16 (2 bytes), d = 128:
 #   dK/dV: K + V 2 x 128 x 128 x 2 = 64 KiB, + 3 stages x (Q + dO) 2 x 64 x 128 x 2 = 96 KiB: 160 KiB;
 #   dK/dV, atomic dQ: 64 + 2 stages x 32 KiB + dS^T 128 x 64 x 2 = 16 KiB + 2 fp32 dQ tiles 2 x 64 x 128 x 4 = 64 KiB:
 #          208 KiB (three stages would need 240);

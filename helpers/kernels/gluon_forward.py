@@ -29,21 +29,21 @@ More variants (``gluon_forward(..., variant=...)``, ``VARIANTS``):
   asynchronously, waits for S_j alone and runs tile j's softmax while P_{j-1} V_{j-1} is on the tensor cores (FA3's
   intra-warpgroup overlap, Algorithm 2). ``"pp"`` adds ping-pong: the warpgroups take turns to issue their GEMMs
   (two mbarriers, ``turn``; FA3 uses named barriers), so one's softmax runs under the other's GEMMs. ``"pp128"`` is
-  ``"pp"`` with 128 rows per warpgroup (CTA 256 rows), FA3's tile for d = 128 (``PP128_BLOCKS``; it spills there).
+  ``"pp"`` with 128 rows per warpgroup (CTA 256 rows), an experiment and not FA3's tile. At d = 128 FlashAttention-3
+  takes 128 query rows a CTA, split over two MMA warpgroups of 64 rows each (flash-attention ``hopper/tile_size.h``,
+  and ``kBlockM / 64`` warpgroups in ``hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp``), which is what ``"pp"`` does
+  (``PP128_BLOCKS``; ``"pp128"`` spills at d = 128).
   The kernel loops over work items (2 x BLOCK_M query rows of one head), its ring's phases running on from one item
   to the next and Q's buffer handed back through a barrier of its own (``q_free``): these variants launch one
   program per item, ``"ppp"`` one per SM (persistent, as FA3's ``StaticPersistentTileScheduler``), so an item's
   epilogue overlaps the next item's first loads.
 
-Measured on an H200 (2026-12-01, non-causal, before causal and GQA came in; ``bench/results/gluon_h200.json`` and
-``gluon_h200_variants.json``): ``"one"`` and ``"ws"`` correct in 20 of 20 harsh cases each, ``"one"`` 0.91-1.03x the
-course's Triton forward, ``"ws"`` 0.74-0.80x; ``"overlap"`` and ``"pp"`` correct in 20 of 20 each, at d = 128,
-N = 16384 ``"pp"`` 531 TFLOP/s bf16 (the Triton forward 532, cuDNN 570). Later that day every variant passed the
-68-case self-test with causal masks and GQA, and after the tile sweep and the causal grid's fix (``PP_BLOCKS``,
-``_program_ids``) ``variant="auto"`` ran at 1.01x cuDNN in geomean over 16 rows (bf16 and fp16, d 64 and 128, N 4096
-and 16384, causal and not; 0.88-1.12x; ``bench/results/gluon_forward_h200.json``).
-Written against Gluon as shipped in Triton 3.6 (``triton.experimental.gluon``; it also compiles under 3.9, where the
-TMA load is named ``async_load``). Nothing here runs under Triton's interpreter.
+What each variant measured, and the self-tests behind them: their records in ``bench/results/`` (``gluon_h200*.json``,
+``gluon_forward_h200.json``, ``logs/``), shown with their GPU, versions and dates by lesson 11
+(``helpers/lesson11/records.py``); the runs' history is ``bench/NOTES.md``'s.
+Written against Gluon as shipped in Triton 3.6 (``triton.experimental.gluon``); it also compiles under 3.9. The TMA
+load is ``async_copy_global_to_shared`` in 3.6 and 3.7 and ``async_load`` from 3.8 (``_tma_load``). Nothing here
+runs under Triton's interpreter.
 
 On an sm_90 GPU: ``python -m helpers.kernels.gluon_forward [--variant one|ws|overlap|pp|pp128] [--causal]``
 (``gluon_forward_selftest()``, one line per case; ``--warp-specialize`` is ``--variant ws``), and
@@ -67,7 +67,8 @@ from .common import LN2, LOG2E, _check_dense_kv
 __all__ = ["gluon_forward", "gluon_forward_selftest", "compile_for_sm90", "BLOCKS", "PP_BLOCKS", "PP128_BLOCKS",
            "VARIANTS", "AUTO_VARIANT"]
 
-# The TMA load's name: async_copy_global_to_shared in Triton 3.6 (the GPU machine's), async_load from 3.7 on.
+# The TMA load's name: async_copy_global_to_shared in Triton 3.6 (the GPU machine's) and 3.7, async_load from 3.8 on
+# (3.8 keeps the old name as an alias, 3.9 removes it).
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
 # (BLOCK_M, BLOCK_N, NUM_STAGES) per head dim: BLOCK_M // 16 warps; shared memory for bf16 at d = 128:
@@ -82,8 +83,9 @@ def _program_ids(CAUSAL: gl.constexpr):
     end, so every head's last query blocks, which visit the most key tiles, launch first and the light ones fill in
     behind them. The CTAs that run side by side are one head's (the grid's first axis varies fastest): they read the
     same K and V, which stay in L2. (A first version ran the grid as (B*H, query blocks), one query block of every
-    head side by side: each CTA streamed another head's K and V from HBM; at d = 64, N = 16384 in bf16 the "one"
-    kernel ran causal at 0.75x its non-causal speed, the Triton forward at 0.97x; H200, 2026-12-01.)"""
+    head side by side: each CTA streamed another head's K and V from HBM, and the causal rows fell far behind their
+    non-causal twins while the Triton forward's did not; lesson 11 shows the sweep that found it, bench/NOTES.md has
+    the run.)"""
     start_m = gl.program_id(0)
     if CAUSAL:
         start_m = gl.num_programs(0) - 1 - start_m
@@ -345,15 +347,16 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, N, Nk, group, diag, qk_scale,
 # issue their GEMMs (mbarriers turn[0], turn[1]: FA3 uses named barriers), so one's softmax runs under the other's
 # GEMMs. (BLOCK_M, BLOCK_N, NUM_STAGES) per head dim: BLOCK_M rows per warpgroup; shared memory for bf16 at d = 128:
 # Q 2 x 16 KiB + 3 stages x (K + V) 2 x 32 KiB = 224 KiB of the 227 available. BLOCK_N = 128 at d = 128 (FA3 uses
-# 128 causal, 176 not): on an H200 (bf16, N = 16384, 2026-12-01, one run, bench_gluon.py's sweep) 617 TFLOP/s
-# against 546 with BLOCK_N = 64 (and 537 with 128 and 2 stages), causal 544 against 510.
+# 128 causal, 176 not: hopper/tile_size.h) makes each turn's GEMMs twice as long as with 64, so the hand-overs weigh
+# less; it was the fastest of bench_gluon.py's sweep of tiles on an H200 (bench/NOTES.md, issue 26, call 1).
 PP_BLOCKS = {64: (64, 128, 3), 128: (64, 128, 3)}
-# "pp128": each consumer warpgroup owns 128 rows (CTA 256 rows), FA3's tile for d = 128, with the consumers' registers
-# raised to 240 each by warp_specialize (the producer warp keeps 24): acc alone is 128 fp32 registers a thread at
-# d = 128. Shared memory for bf16 at d = 128: Q 2 x 32 KiB + 2 stages x (K + V) 2 x 16 KiB = 128 KiB. ptxas (Triton
-# 3.6, sm_90a) reports no spills at d = 64 and ~0.4-0.5 KiB of spill stores a thread at d = 128 (more with
-# BLOCK_N = 128 or 3 stages); on an H200 it ran at about half of "pp"'s speed there
-# (bench/results/gluon_h200_causal.json).
+# "pp128": each consumer warpgroup owns 128 rows (CTA 256 rows), a test of longer GEMMs a turn. FA3 never does this:
+# every MMA warpgroup of its forward owns 64 rows (kBlockM / 64 warpgroups; kBlockM = 128 at d = 128), and 240
+# registers a thread hold O and S for 64 rows, not 128. The consumers' registers are raised to 240 each by
+# warp_specialize (the producer warp keeps 24): acc alone is 128 fp32 registers a thread at d = 128. Shared memory for
+# bf16 at d = 128: Q 2 x 32 KiB + 2 stages x (K + V) 2 x 16 KiB = 128 KiB. At d = 128 ptxas spills it and serialises
+# its wgmmas; how much depends on the Triton (and ptxas) version: lesson 11 compiles it and prints ptxas's report
+# (helpers.lesson11.ptxas_report). Its timings: bench/results/gluon_h200_causal.json.
 PP128_BLOCKS = {64: (128, 64, 3), 128: (128, 64, 2)}
 
 
@@ -558,9 +561,11 @@ def _gl_dtype(torch_dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[torch_dtype]
 
 
-# "auto": the variant per (head dim, causal) that was fastest on an H200 (bf16 and fp16, N = 4096 and 16384, one run
-# on 2026-12-01 after the grid and PP_BLOCKS changes, bench_gluon.py): the one-partition kernel without a mask at
-# d = 64 (two CTAs share an SM), ping-pong everywhere else. flash_attn_triton routes to it on sm_90.
+# "auto": per (head dim, causal), the one of the one-partition and ping-pong kernels that was faster in a run that
+# timed both on an H200 after the grid and PP_BLOCKS changes (bench_gluon.py, bench/NOTES.md issue 26 call 2; lesson 11
+# prints the comparison): the one-partition kernel without a mask at d = 64 (two CTAs share an SM), ping-pong
+# everywhere else. Other tilings, not in "auto", were ahead by a little in a few rows. flash_attn_triton routes to it
+# on sm_90 where forward.GLUON_ROUTES says, not at d = 64 causal.
 AUTO_VARIANT = {(64, False): "one", (64, True): "pp", (128, False): "pp", (128, True): "pp"}
 
 # variant -> what it is (the kernel and its launch: _launch_spec)

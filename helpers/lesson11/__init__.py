@@ -16,7 +16,8 @@ PTX ISA, ``mbarrier.try_wait.parity`` (the phase-parity rule simulated here).
 from __future__ import annotations
 
 from .costs import PAPER, count_forward_ops, plot_timeline, softmax_share, tensor_core_busy
-from .hopper import NO_HOPPER, bench_gluon_live, hopper_here, require_hopper, show_recorded_hopper
+from .hopper import (NO_HOPPER, bench_gluon_live, hopper_here, ptxas_lines, ptxas_report, require_hopper,
+                     show_recorded_hopper)
 from .pipeline import (PROFILES, Run, Violation, agents, compute, expected_parity, fa3_schedule_ref, first_violation,
                        load, random_cases, release, simulate, wait_empty, wait_full)
 from .producer import (PRODUCER_ARGS, TraceError, compile_producer_for_sm90, gluon_api, gluon_here, producer_source,
@@ -26,7 +27,7 @@ __all__ = ["wait_full", "wait_empty", "load", "compute", "release", "agents", "V
            "PROFILES", "first_violation", "fa3_schedule_ref", "expected_parity", "random_cases", "count_forward_ops",
            "softmax_share", "PAPER", "plot_timeline", "tensor_core_busy", "require_hopper", "hopper_here",
            "NO_HOPPER", "show_recorded_hopper", "bench_gluon_live", "gluon_api", "trace_producer", "TraceError",
-           "PRODUCER_ARGS", "producer_source", "compile_producer_for_sm90", "gluon_here"]
+           "PRODUCER_ARGS", "producer_source", "compile_producer_for_sm90", "gluon_here", "ptxas_report", "ptxas_lines"]
 
 
 # The lesson's files: ``pipeline`` (the schedule's operations, the simulator, the course's schedule), ``costs``

@@ -12,9 +12,10 @@ __all__ = ["PAPER", "count_forward_ops", "softmax_share", "tensor_core_busy", "p
 
 
 # ------------------------------------------------------------------ why softmax matters on Hopper
-# The FA3 paper's figures for the H100 SXM5 (Shah et al., 2024, §3.2): "989 TFLOPS of FP16 matmul but only
-# 3.9 TFLOPS of special functions such as exponential". Not measured here.
-PAPER = {"mma_tflops": 989.0, "exp_tflops": 3.9, "source": "FlashAttention-3 (Shah et al., 2024), §3.2, H100 SXM5"}
+# The FA3 paper's figures for the H100 SXM5 (Shah et al., 2024, §3.1, "Pingpong scheduling", in both the arXiv and
+# the NeurIPS versions): "989 TFLOPS of FP16 matmul but only 3.9 TFLOPS of special functions such as exponential"
+# (its footnote: 16 operations per SM per clock x 132 SMs x 1830 MHz). Not measured here.
+PAPER = {"mma_tflops": 989.0, "exp_tflops": 3.9, "source": "FlashAttention-3 (Shah et al., 2024), §3.1, H100 SXM5"}
 
 
 def count_forward_ops(N=256, Nk=256, d=64, BLOCK_M=64, BLOCK_N=64):

@@ -25,7 +25,8 @@ import math
 
 import torch
 
-from ..results import RESULTS_DIR, load_json, results_label
+from ..results import load_json
+from . import records
 
 __all__ = ["MaskMod", "ScoreMod", "causal", "sliding_window", "document", "prefix_lm", "no_mask",
            "softcap", "alibi", "relative_bias", "alibi_slopes", "SKIP", "FULL", "PARTIAL", "CLASSES",
@@ -335,29 +336,18 @@ def plot_masks(masks: dict, N: int, Nk: int, BLOCK_M: int, BLOCK_N: int):
 
 
 # ------------------------------------------------------------------ on a GPU: the course's block-sparse Triton kernel
-MASKS_RESULTS = RESULTS_DIR / "masks_h200.json"        # bench/bench_masks.py on an H200
+MASKS_RESULTS = records.MASKS_RESULTS                  # bench/bench_masks.py on an H200
 
 
 def show_masks_results(path=MASKS_RESULTS) -> None:
-    """Print the recorded mask figures (bench/bench_masks.py: the course vs FlexAttention vs SDPA with a dense mask,
-    forward and backward), or say that none are recorded."""
+    """Print a masks record in full (``records.masks_table``: the course vs FlexAttention vs SDPA with a dense mask,
+    forward and backward, with its label), or say that none is recorded."""
     res = load_json(path)
     if res is None:
         print(f"No figures are recorded yet: {path.name} is missing (`python3 bench/bench_masks.py` on a CUDA GPU "
               "writes it).")
         return
-    meta = res.get("meta", {})
-    print(f"Recorded: {results_label(meta)}, {meta.get('dtype', '?')}, H = {meta.get('H', '?')}; ms, and how many "
-          "times longer the others take (x); route: the course's kernel for that mask")
-    print(f"{'mask':>24} {'d':>4} {'N':>6} {'route':>12} {'course':>8} {'flex':>8} {'x':>6} {'sdpa':>8} {'x':>6}"
-          f" {'bwd':>8} {'flex bwd':>8} {'x':>6}")
-    cell = lambda x: f"{x:8.3f}" if x else f"{'-':>8}"  # noqa: E731
-    ratio = lambda x, c: f"{x / c:6.2f}" if c and x else f"{'-':>6}"  # noqa: E731
-    for r in res.get("rows", []):
-        c, f, sd = r.get("course_ms"), r.get("flex_ms"), r.get("sdpa_dense_ms")
-        cb, fb = r.get("course_bwd_ms"), r.get("flex_bwd_ms")
-        print(f"{r['mask']:>24} {r.get('d', '-'):>4} {r.get('N', '-'):>6} {r.get('route', '-'):>12} {cell(c)} "
-              f"{cell(f)} {ratio(f, c)} {cell(sd)} {ratio(sd, c)} {cell(cb)} {cell(fb)} {ratio(fb, cb)}")
+    print(records.masks_table(res))
 
 
 def gpu_cases(N: int, device, H: int = 4):
@@ -382,12 +372,11 @@ def gpu_cases(N: int, device, H: int = 4):
 def run_on_gpu(N: int = 1000, d: int = 64, H: int = 4, device=None, dtype=torch.float16) -> list:
     """On a CUDA GPU: the course's block-sparse Triton forward and backward on each of ``gpu_cases``, fp16, checked per
     head against ``attention_mods_ref`` in float64 (O, lse, and dq, dk, dv through autograd); prints a line per
-    mask and raises AssertionError on a mismatch. Without one: says so in one line, shows the recorded figures,
-    returns []. (``device="cpu"``, ``dtype=torch.float32``: the same under Triton's interpreter, for the tests.)"""
+    mask and raises AssertionError on a mismatch. Without one: says so in one line (the recorded figures are the
+    lesson's "Going deeper", ``records``), returns []. (``device="cpu"``, ``dtype=torch.float32``: the same under Triton's interpreter, for the tests.)"""
     if device is None and not torch.cuda.is_available():
         print("No CUDA GPU here: the block-sparse Triton kernel runs only on one (its interpreter tests are "
-              "tests/test_triton_block_sparse.py).")
-        show_masks_results()
+              "tests/test_triton_block_sparse.py). The figures recorded on an H200 are in \"Going deeper\".")
         return []
     from .. import triton_mode
     triton_mode.require_triton("Triton is not installed in this Python: the block-sparse kernel cannot run here.",
