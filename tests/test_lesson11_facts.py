@@ -234,36 +234,6 @@ def test_issue_36_corrections_stay():
     assert 'flash_attn_triton(q, k, v, backend="triton")' in hopper
 
 
-# ------------------------------------------------------------------ the README (not this lesson's file) still types them
-def test_readme_figures_match_their_records():
-    """The README's lesson-11 sentences carry the records' figures. (The README types them; the lesson reads them.)"""
-    import json
-    readme = _flat((ROOT / "README.md").read_text())
-    rows_f = load_json(R.GLUON_FORWARD)["rows"]
-    rows_b = load_json(R.GLUON_BACKWARD)["rows"]
-    span = lambda xs: f"{min(xs):.2f}–{max(xs):.2f}×"  # noqa: E731
-    f = [r["gluon_auto_tflops"] / r["sdpa_cudnn_tflops"] for r in rows_f]
-    b = [r["gluon_tflops"] / r["sdpa_cudnn_tflops"] for r in rows_b]
-    flash = R.geomean([r["gluon_auto_tflops"] / r["sdpa_flash_tflops"] for r in rows_f])
-    tri = R.geomean([r["gluon_tflops"] / r["triton_tflops"] for r in rows_b])
-    for sentence in (f"ran at {R.geomean(f):.2f}× cuDNN in geometric mean over 16 rows",
-                     f"{span(f)}, {sum(x < 1 for x in f)} rows below 1) and {flash:.2f}× SDPA flash",
-                     f"ran at {R.geomean(b):.2f}× cuDNN ({span(b)}) and {tri:.2f}× the Triton backward"):
-        assert sentence in readme, f"the README should say: {sentence}"
-    p = R.gluon_profile()
-    main = {case: v["main"] for case, v in p.items()}
-    ratio = p["bwd-gluon-d128-N16384"]["ms"] / p["bwd-cudnn-d128-N16384"]["ms"]
-    for sentence in (f"as busy as cuDNN's ({main['fwd-gluon-d128-N16384']['tensor_pct']:.1f}% and "
-                     f"{main['fwd-cudnn-d128-N16384']['tensor_pct']:.1f}%)",
-                     f"less so ({main['fwd-gluon-d64-N4096-causal']['tensor_pct']:.1f}% against "
-                     f"{main['fwd-cudnn-d64-N4096-causal']['tensor_pct']:.1f}%)",
-                     f"the call takes {ratio:.2f}× cuDNN's time at d = 128"):
-        assert sentence in readme, f"the README should say: {sentence}"
-    ppp = json.loads(R.PPP_RUN.read_text())["rows"]
-    xs = [r["gluon_ppp_tflops"] / r["gluon_auto_tflops"] for r in ppp if r["causal"]]
-    assert f"{span(xs)} the one-item grid on causal rows" in readme
-    assert math.isfinite(R.geomean(xs))
-
 
 def test_a_long_tables_summary_is_its_label_and_summary_lines():
     """The lesson shows each long table as its label and summary lines, the rows in a cell with folded output."""
