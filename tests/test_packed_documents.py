@@ -384,3 +384,53 @@ def test_the_step_waits_for_nothing_on_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------ the benchmark's own run (no GPU: --smoke)
+
+
+PACKED_KEYS = {"mix", "T", "d", "H", "Hkv", "causal", "fwd_course_ms", "fwd_flex_ms", "bwd_course_ms", "bwd_flex_ms",
+               "pass", "fwd_sdpa_ms", "bwd_sdpa_ms", "lengths"}
+
+
+@pytest.mark.skipif(ON_GPU, reason="--smoke is the CPU interpreter run")
+def test_bench_packed_documents_smoke_writes_its_section(tmp_path):
+    """bench/bench_varlen.py --smoke --packed: every path of the GPU run (the batch, FlexAttention's document mask,
+    SDPA's dense mask, the float64 checks, the timing, the record after every row), on tiny sizes."""
+    import importlib.util
+    import json
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_varlen", os.path.join(root, "bench", "bench_varlen.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "gpu.json"
+    out.write_text(json.dumps({"varlen": [{"kept": 1}]}))
+    rows = bench.main(["--smoke", "--packed", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["varlen"] == [{"kept": 1}], "the serving rows are left as they were"
+    assert data["packed_documents"] == rows and len(rows) == len(bench.packed_cases(False, True))
+    meta = data["packed_documents_meta"]
+    assert len(meta["details"]) == len(rows) and {"gpu", "torch", "triton", "date", "summary"} <= set(meta)
+    for row, detail in zip(rows, meta["details"]):
+        assert set(row) == PACKED_KEYS and row["pass"] and detail["pass"], (row, detail)
+        assert all(row[key] > 0 for key in ("fwd_course_ms", "fwd_flex_ms", "bwd_course_ms", "fwd_sdpa_ms"))
+        assert detail["flex_vs_course_max_diff"] < 1e-4  # FlexAttention's document mask is the same function
+    assert {r["causal"] for r in rows} == {True, False} and {r["Hkv"] < r["H"] for r in rows} == {True, False}
+
+
+def test_bench_document_mixes_sum_to_the_row():
+    import importlib.util
+    import os
+    import random
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_varlen", os.path.join(root, "bench", "bench_varlen.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for mix, T, d, Hkv, causal in bench.packed_cases(False, False):
+        lens = bench.doc_lengths(mix, T, random.Random(f"{mix}-{T}"))
+        assert sum(lens) == T and min(lens) >= 1, mix
+        if mix == "one longer than the rest":
+            assert max(lens) > T - max(lens)
+        if mix == "16 random":
+            assert len(lens) == 16

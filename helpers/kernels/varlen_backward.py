@@ -158,10 +158,12 @@ def _bwd_dq_varlen(
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class, the dense backward's H200 winners (bench/NOTES.md,
 # backward v1; bench/results/h200.json): the dK/dV kernel's large tile on long causal rows, its small one on short
-# rows and without a mask; the dQ kernel's two. The first of each is what runs where nothing is timed.
+# rows and without a mask; the dQ kernel's two, and at d = 128 its 64 x 32 tile, the one that fits the 99 KB of
+# sm_86/89. The first of each that fits is what runs where nothing is timed.
 _VARLEN_BWD_SHAPES = {
     "dkdv": {64: [(32, 64, 4, 3), (128, 128, 8, 2)], 128: [(128, 128, 8, 2), (32, 64, 4, 3)], 256: _DKDV_SHAPES_256},
-    "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(128, 64, 8, 3), (64, 64, 4, 3)], 256: _DQ_SHAPES_256},
+    "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
+           256: _DQ_SHAPES_256},
 }
 SHAPES.update(varlen_dkdv=lambda d: tile_configs(_VARLEN_BWD_SHAPES["dkdv"][_d_class(d)]),
               varlen_dq=lambda d: tile_configs(_VARLEN_BWD_SHAPES["dq"][_d_class(d)]))
