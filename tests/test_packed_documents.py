@@ -20,7 +20,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernel_env import DEVICE, DTYPES, ON_GPU, TOL  # noqa: E402  (sets TRITON_INTERPRET first)
 from helpers import reference  # noqa: E402
@@ -92,8 +91,8 @@ def test_prepare_varlen_checks_once_and_keeps_its_own_copy():
     cu[1] = 1  # the caller's tensor changes later: the batch does not
     assert batch.cu_seqlens_q.tolist() == batch.cu_seqlens_k.tolist() == [0, 3, 3, 8]
     assert prepare_varlen([0, 2, 2], [0, 4, 5], device=DEVICE).lengths_k.tolist() == [4, 1]  # lists: no host copy
-    long = prepare_varlen(_cu([1000] + [1] * 20))
-    assert long.length_class == round(math.log2((1000 ** 3 + 20) / (1000 ** 2 + 20)))
+    assert prepare_varlen(_cu([1000] + [1] * 20)).length_class == round(math.log2((1000 ** 3 + 20) / (1000 ** 2 + 20)))
+    assert prepare_varlen(_cu([1] * 9)).length_class == 6 and prepare_varlen(_cu([9000, 5])).length_class == 10
     bad = [
         (ValueError, "must start at 0", dict(cu_seqlens_q=[1, 3])),
         (ValueError, "must not decrease", dict(cu_seqlens_q=[0, 4, 3])),

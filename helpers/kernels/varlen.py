@@ -128,8 +128,10 @@ class VarlenBatch:
     ``cu_seqlens_q``, ``cu_seqlens_k``: the batch's own int32 [B + 1] copies on ``device`` (a later in-place change
     to the caller's tensors cannot make them disagree with the maps); ``max_seqlen_q``, ``max_seqlen_k``,
     ``total_q``, ``total_k``, ``num_seqs``: ints on the host; ``lengths_q``, ``lengths_k``: int64 [B] on the CPU;
-    ``length_class``: round(log2) of the work-weighted mean query length (sum n^3 / sum n^2), part of the key the
-    kernels' tile choice is cached under. ``block_map(block, kind, causal)``: a program map (below).
+    ``length_class``: round(log2) of the work-weighted mean query length (sum n^3 / sum n^2), clamped to 6 .. 10
+    (64 to 1024 tokens: past a few tiles every document runs like a long one), part of the key the kernels' tile
+    choice is cached under. ``block_map(block, kind, causal)``: a program map (below); ``built_maps()``: the
+    (block, kind, causal) of the maps built so far.
     """
 
     def __init__(self, cu_q, cu_k, max_seqlen_q, max_seqlen_k, device):
@@ -149,8 +151,8 @@ class VarlenBatch:
         both = _to_device([cu_q, cu_k], device)  # [2, B + 1]: one copy for both
         self.cu_seqlens_q, self.cu_seqlens_k = both[0], both[1]
         n = self.lengths_q.double()
-        mean = float((n ** 3).sum() / (n ** 2).sum()) if self.total_q else 0.0
-        self.length_class = round(math.log2(mean)) if mean >= 1 else 0
+        mean = float((n ** 3).sum() / (n ** 2).sum()) if self.total_q else 1.0
+        self.length_class = min(10, max(6, round(math.log2(max(mean, 1.0)))))  # 64 .. 1024: where tiles differ
         self._maps = {}
 
     def block_map(self, block, kind="q", causal=False):
@@ -165,6 +167,10 @@ class VarlenBatch:
             both = _to_device(torch.stack([seq, start]).tolist(), self.device)  # [2, P]
             self._maps[key] = (both[0], both[1])
         return self._maps[key]
+
+    def built_maps(self):
+        """The (block, kind, causal) of every map built so far (a benchmark rebuilds them to time a batch's set-up)."""
+        return list(self._maps)
 
     def __repr__(self):
         return (f"VarlenBatch({self.num_seqs} sequences, {self.total_q} query / {self.total_k} key rows, "
@@ -519,10 +525,6 @@ def _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return layout
 
 
-def _dtype_name(dtype):
-    return str(dtype).replace("torch.", "")
-
-
 def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                              causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              validate=True, block_map=None, use_tma=None, config=None):
@@ -556,6 +558,13 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqle
     total_q, H, d, total_k, Hkv = _check_packed(q, k, v)
     layout = _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
     mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, layout.num_seqs, q.device, "num_seqs")
+    return _varlen_fwd(q, k, v, layout, mods, sm_scale, block_map, use_tma, config)
+
+
+def _varlen_fwd(q, k, v, layout, mods, sm_scale, block_map=None, use_tma=None, config=None):
+    """The forward's launch on checked inputs (``flash_attn_varlen_triton``'s checks, or the autograd Function's)."""
+    total_q, H, d = q.shape
+    total_k, Hkv = k.shape[0], k.shape[1]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     qk_scale = float(sm_scale) * LOG2E.value  # scores in base-2 units
@@ -608,7 +617,7 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqle
     if config is not None:
         launch(configs[0])
     else:
-        key = ("varlen", d, _dtype_name(q.dtype), bool(use_tma), tuple(sorted(mods.meta().items())), H // Hkv,
+        key = ("varlen", d, q.dtype, bool(use_tma), mods.right >= 0, mods.left >= 0, mods.score_mod, H // Hkv,
                layout.length_class, block_map is not None, q.device.index)
         tuned_launch(key, configs, launch, q.device)
     return o, lse

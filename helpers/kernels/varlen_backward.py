@@ -37,8 +37,8 @@ import triton.language as tl
 from .backward import _DKDV_SHAPES_256, _DQ_SHAPES_256, _PRE_BLOCK_M, _bwd_dkdv_group, _bwd_dq_rows, _bwd_preprocess
 from .common import LOG2E, SHAPES, head_block, tile_configs
 from .forward import _check_mods
-from .varlen import (VarlenBatch, _check_packed, _d_class, _dtype_name, _layout, candidates, flash_attn_varlen_triton,
-                     prepare_varlen, tuned_launch)
+from .varlen import (VarlenBatch, _check_packed, _d_class, _layout, _varlen_fwd, candidates,  # noqa: F401
+                     prepare_varlen, tuned_launch)  # VarlenBatch, prepare_varlen: re-exported
 
 __all__ = ["flash_attention_varlen", "flash_attn_varlen_bwd_triton", "FlashAttentionVarlenFunction",
            "varlen_bwd_configs", "prepare_varlen", "VarlenBatch"]  # the last two re-exported from .varlen
@@ -157,11 +157,13 @@ def _bwd_dq_varlen(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class, the dense backward's H200 winners (bench/NOTES.md,
-# backward v1; bench/results/h200.json): the dK/dV kernel's large tile on long causal rows, its small one on short
-# rows and without a mask; the dQ kernel's two, and at d = 128 its 64 x 32 tile, the one that fits the 99 KB of
+# backward v1; bench/results/h200.json): the dK/dV kernel's large tile on long causal rows, its middle and small
+# ones on shorter rows and without a mask (at d = 128 each of them holds K, V, dK, dV in registers and ptxas spills
+# some: the timing decides); the dQ kernel's two, and at d = 128 its 64 x 32 tile, the one that fits the 99 KB of
 # sm_86/89. The first of each that fits is what runs where nothing is timed.
 _VARLEN_BWD_SHAPES = {
-    "dkdv": {64: [(32, 64, 4, 3), (128, 128, 8, 2)], 128: [(128, 128, 8, 2), (32, 64, 4, 3)], 256: _DKDV_SHAPES_256},
+    "dkdv": {64: [(32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+             128: [(128, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)], 256: _DKDV_SHAPES_256},
     "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
            256: _DQ_SHAPES_256},
 }
@@ -196,6 +198,14 @@ def flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
             raise ValueError(f"{name} must be a tensor of q's shape {tuple(q.shape)} on {q.device}")
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (H, total_q) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be a float32 tensor of shape {(H, total_q)} (the forward's second output)")
+    return _varlen_bwd(do, q, k, v, o, lse, layout, mods, sm_scale, config)
+
+
+def _varlen_bwd(do, q, k, v, o, lse, layout, mods, sm_scale, config=None):
+    """The backward's launches on checked inputs (the autograd Function's backward comes here directly: its
+    tensors are the forward's, checked there)."""
+    total_q, H, d = q.shape
+    total_k, Hkv = k.shape[0], k.shape[1]
     do = do.to(q.dtype).contiguous()
     o, lse = o.contiguous(), lse.contiguous()
     sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
@@ -228,7 +238,7 @@ def flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
             _bwd_dq_varlen[(seq_q.numel() * H,)](q, k, v, do, lse2, delta, dq, seq_q, q_start, cu_q, cu_k,
                                                  total_q, H, Hkv, qk_scale, sm_scale, *mod_args, **meta, **cfg)
 
-    shape_class = (d, _dtype_name(q.dtype), tuple(sorted(mods.meta().items())), H // Hkv, layout.length_class,
+    shape_class = (d, q.dtype, mods.right >= 0, mods.left >= 0, mods.score_mod, H // Hkv, layout.length_class,
                    q.device.index)
     if config is not None:
         launch_dkdv(dict(config["dkdv"]))
@@ -246,19 +256,20 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, batch, causal, sm_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
-        mods = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-        o, lse = flash_attn_varlen_triton(q, k, v, batch, causal=causal, sm_scale=sm_scale, **mods)
+        total_q, H, _, total_k, _ = _check_packed(q, k, v)
+        _layout(q, total_q, total_k, batch, None, None, None, False)  # the batch fits q, k, v
+        mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, batch.num_seqs, q.device, "num_seqs")
+        o, lse = _varlen_fwd(q, k, v, batch, mods, sm_scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.batch = batch
-        ctx.args = (causal, sm_scale, mods)
+        ctx.args = (mods, sm_scale)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        causal, sm_scale, mods = ctx.args
-        dq, dk, dv = flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, ctx.batch, causal=causal, sm_scale=sm_scale,
-                                                  **mods)
+        mods, sm_scale = ctx.args
+        dq, dk, dv = _varlen_bwd(do, q, k, v, o, lse, ctx.batch, mods, sm_scale)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -278,7 +289,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     ``alibi_slopes`` ([H] or [num_seqs, H]): the library's, bottom-right per sequence (see
     ``flash_attn_varlen_triton``).
     """
-    total_q, H, _, total_k, _ = _check_packed(q, k, v)
-    batch = _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, True)
-    _check_mods(causal, window_size, softcap, alibi_slopes, H, batch.num_seqs, q.device, "num_seqs")
+    if isinstance(cu_seqlens_q, VarlenBatch) and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None:
+        batch = cu_seqlens_q  # the forward checks q, k, v against it
+    else:
+        total_q, _, _, total_k, _ = _check_packed(q, k, v)
+        batch = _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, True)
     return FlashAttentionVarlenFunction.apply(q, k, v, batch, causal, sm_scale, window_size, softcap, alibi_slopes)
