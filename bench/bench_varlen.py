@@ -1,6 +1,6 @@
 """`make bench`, the "varlen" and "packed_documents" rows: packed variable-length attention on one GPU.
 
-    python3 bench/bench_varlen.py [--out FILE] [--quick] [--packed | --serving] [--tune-dense] [--smoke]
+    python3 bench/bench_varlen.py [--out FILE] [--quick] [--packed | --serving] [--budget S] [--tune-dense] [--smoke]
 
 **packed_documents** (``--packed`` alone): pre-training's packed rows, documents causal within themselves, bf16,
 H = 16 with Hkv = 4 (and one MHA row), forward and backward, three ways in one run:
@@ -61,7 +61,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
-from common import (TIMING, bench_ms, graph_ms, log, results_path, run_meta, sdpa_ms,  # noqa: E402
+from common import (TIMING, bench_ms, graph_ms, log, results_path, run_meta, sdpa_ms, why,  # noqa: E402
                     within_sdpa_error, write_section)
 
 import torch  # noqa: E402
@@ -581,7 +581,7 @@ def packed_section(args, device, gpu, path):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, 10_000)
         flex = torch.compile(flex_attention, dynamic=False)
-    budget = PACKED_BUDGET_S / (3 if args.quick else 1)
+    budget = args.budget if args.budget is not None else PACKED_BUDGET_S / (3 if args.quick else 1)
     t0 = time.time()
     log(f"{gpu} torch {torch.__version__} triton {triton.__version__}; packed_documents rows into {path}")
     rows, details, skipped = [], [], []
@@ -603,10 +603,19 @@ def packed_section(args, device, gpu, path):
         try:
             row, detail = run_packed_row(*c, flex=flex, create_block_mask=create_block_mask, device=device,
                                          smoke=args.smoke)
-        except torch.cuda.OutOfMemoryError as e:
-            log(f"  {c}: out of memory: {str(e).splitlines()[0][:120]}")
-            torch.cuda.empty_cache()
-            continue
+        except Exception as e:  # noqa: BLE001 - recorded in the row; the next rows still run
+            if args.smoke:
+                raise
+            import traceback
+            log(f"  {c}: {why(e, 300)}\n{traceback.format_exc()[-2000:]}")
+            mix, T, d, Hkv, causal = c
+            row = {"mix": mix, "T": T, "d": d, "H": 16, "Hkv": Hkv, "causal": causal, "lengths": None, "pass": False,
+                   **{key: None for key in ("fwd_course_ms", "fwd_flex_ms", "bwd_course_ms", "bwd_flex_ms",
+                                            "fwd_sdpa_ms", "bwd_sdpa_ms")}}
+            detail = {"mix": mix, "T": T, "error": why(e, 300)}
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
         detail["seconds_since_start"] = round(time.time() - t0, 1)
         log("  packed", json.dumps(row), json.dumps(detail))
         rows.append(row)
@@ -631,6 +640,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer rows: serving bf16 only; packed: 4 mixes at T 16384")
     ap.add_argument("--packed", action="store_true", help="only the packed documents (pre-training) rows")
     ap.add_argument("--serving", action="store_true", help="only the serving (varlen prefill) rows")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"packed rows: seconds after which no new row starts (default {PACKED_BUDGET_S}, a third "
+                         f"with --quick)")
     ap.add_argument("--tune-dense", action="store_true", help="autotune the dense kernel instead of its fixed config")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes under the interpreter (the script's test)")
     args = ap.parse_args(argv)

@@ -41,7 +41,7 @@ if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is impor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
 from common import (adamw_cosine, bench_ms, corpus_bytes, log, run_meta, save_figure, subplots,  # noqa: E402
-                    train_step, training_cli, write_json)
+                    train_step, training_cli, why, write_json)
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -317,11 +317,24 @@ def main():
     for attn in runs:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        res["runs"][attn] = train(attn, cfg, data, docs, device, dtype)
+        try:
+            res["runs"][attn] = train(attn, cfg, data, docs, device, dtype)
+        except Exception as e:  # noqa: BLE001 - recorded; the other runs still go
+            if device != "cuda":
+                raise
+            import traceback
+            log(f"{attn}: {why(e, 300)}\n{traceback.format_exc()[-2000:]}")
+            res.setdefault("errors", {})[attn] = why(e, 300)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            continue
         log(f"{attn}: final loss {res['runs'][attn]['loss'][-1]:.4f}, {res['runs'][attn]['tokens_per_s']:.0f} tokens/s"
             + (f", attention {100 * res['runs'][attn]['attention_share']:.1f}% of a step"
                if "attention_share" in res["runs"][attn] else ""))
         write_json(os.path.join(args.out, "train_llama.json"), res)  # after every run
+    if not {"course", "sdpa"} <= set(res["runs"]):
+        write_json(os.path.join(args.out, "train_llama.json"), res)
+        sys.exit(f"train_llama.py: a run failed: {res.get('errors')}")
     if device != "cuda":
         res["flex_forward_loss_diff_vs_sdpa"] = flex_forward_check(cfg, data, docs, device)
     a, b = res["runs"]["course"]["loss"], res["runs"]["sdpa"]["loss"]

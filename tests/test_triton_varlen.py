@@ -145,7 +145,10 @@ def test_varlen_other_tiles_and_int64_cu_seqlens():
     premade = varlen_block_map(_cu(lens_q), varlen_block_m(32), total_q=q.shape[0])  # built once per batch
     o3, lse3 = flash_attn_varlen_triton(q, k, v, _cu(lens_q), _cu(lens_k), 40, 50, causal=True, sm_scale=0.1,
                                         block_map=premade)
-    assert torch.equal(o3, o2) and torch.equal(lse3, lse2)
+    if ON_GPU:  # the given map fixes BLOCK_M: the two calls may time different tiles there
+        assert torch.allclose(o3.float(), o2.float(), atol=TOL[DTYPES[0]]) and torch.allclose(lse3, lse2, atol=1e-3)
+    else:
+        assert torch.equal(o3, o2) and torch.equal(lse3, lse2)
     with pytest.raises(ValueError, match="block_map must be"):
         flash_attn_varlen_triton(q, k, v, _cu(lens_q), _cu(lens_k), 40, 50, block_map=premade[0])
     cu = _cu(lens_q)
