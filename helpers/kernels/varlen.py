@@ -424,9 +424,11 @@ def chosen_configs():
 def tuned_launch(key, configs, launch, device):
     """Run ``launch(cfg)`` in the configuration chosen for ``key``: on the first call outside a CUDA graph capture,
     with more than one candidate on a GPU, each is timed (do_bench median; a launch may be repeated: every
-    kernel here writes its outputs, never adds to them) and the fastest kept. Returns the configuration run."""
+    kernel here writes its outputs, never adds to them) and the fastest kept. ``configs``: the candidates, or a
+    function that lists them (called only while ``key`` has no choice yet). Returns the configuration run."""
     cfg = _chosen.get(key)
     if cfg is None:
+        configs = configs() if callable(configs) else configs
         cfg = configs[0]
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if len(configs) > 1 and device.type == "cuda" and not interpreting() and not capturing:
@@ -575,10 +577,14 @@ def _varlen_fwd(q, k, v, layout, mods, sm_scale, block_map=None, use_tma=None, c
         return o, lse
     if total_k == 0:  # no sequence has a key: every row is empty (and there is nothing to point K at)
         return o.zero_(), lse.fill_(float("-inf"))
-    configs = [dict(config)] if config is not None else candidates("varlen", SHAPES["varlen"](d), d, q.dtype,
-                                                                       q.device)
+    def configs():  # the candidates: listed only on a shape class's first call
+        every = candidates("varlen", SHAPES["varlen"](d), d, q.dtype, q.device)
+        if block_map is None:
+            return every
+        return [c for c in every if c["BLOCK_M"] == block_m] or [dict(every[0], BLOCK_M=block_m)]
+
     if block_map is not None:
-        block_m = configs[0]["BLOCK_M"] if config is not None else varlen_block_m(d)
+        block_m = config["BLOCK_M"] if config is not None else varlen_block_m(d)
         P = (total_q + layout.num_seqs * (block_m - 1)) // block_m
         if not (isinstance(block_map, (tuple, list)) and len(block_map) == 2
                 and all(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.shape == (P,)
@@ -586,7 +592,6 @@ def _varlen_fwd(q, k, v, layout, mods, sm_scale, block_map=None, use_tma=None, c
             raise ValueError(f"block_map must be varlen_block_map(cu_seqlens_q, {block_m}, {total_q}): two int32 "
                              f"tensors of shape ({P},) on {q.device}")
         given = tuple(t.contiguous() for t in block_map)
-        configs = [c for c in configs if c["BLOCK_M"] == block_m] or [dict(configs[0], BLOCK_M=block_m)]
         map_for = lambda block: given  # noqa: E731
     else:
         map_for = lambda block: layout.block_map(block, "q", mods.right >= 0)  # noqa: E731
@@ -615,7 +620,7 @@ def _varlen_fwd(q, k, v, layout, mods, sm_scale, block_map=None, use_tma=None, c
                                                  layout.cu_seqlens_q, layout.cu_seqlens_k, *tail, **meta, **cfg)
 
     if config is not None:
-        launch(configs[0])
+        launch(dict(config))
     else:
         key = ("varlen", d, q.dtype, bool(use_tma), mods.right >= 0, mods.left >= 0, mods.score_mod, H // Hkv,
                layout.length_class, block_map is not None, q.device.index)

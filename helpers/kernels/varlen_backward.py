@@ -244,9 +244,8 @@ def _varlen_bwd(do, q, k, v, o, lse, layout, mods, sm_scale, config=None):
         launch_dkdv(dict(config["dkdv"]))
         launch_dq(dict(config["dq"]))
     else:
-        cfg_kv, cfg_q = varlen_bwd_configs(d, q)
-        tuned_launch(("varlen dkdv",) + shape_class, cfg_kv, launch_dkdv, q.device)
-        tuned_launch(("varlen dq",) + shape_class, cfg_q, launch_dq, q.device)
+        tuned_launch(("varlen dkdv",) + shape_class, lambda: varlen_bwd_configs(d, q)[0], launch_dkdv, q.device)
+        tuned_launch(("varlen dq",) + shape_class, lambda: varlen_bwd_configs(d, q)[1], launch_dq, q.device)
     return dq, dk, dv
 
 
