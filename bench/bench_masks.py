@@ -106,15 +106,13 @@ class CoursePath:
         self.B, self.H, self.N, self.d = q.shape
         self.route = route
         if route == "varlen":
-            from helpers.kernels.varlen import flash_attn_varlen_triton, varlen_block_m, varlen_block_map
+            from helpers.kernels.varlen import flash_attn_varlen_triton, prepare_varlen
             from helpers.kernels.varlen_backward import flash_attention_varlen
             cu, longest = doc_cu_seqlens(spec.doc_ids, self.B)
             self.inputs = tuple(self.packed(t) for t in (q, k, v))  # [B * N, H, d]
-            bmap = varlen_block_map(cu, varlen_block_m(self.d), self.B * self.N)
-            self.forward = lambda: flash_attn_varlen_triton(*self.inputs, cu, cu, longest, longest, causal=True,
-                                                            validate=False, block_map=bmap)
-            self.differentiable = lambda a, b, c: flash_attention_varlen(a, b, c, cu, cu, longest, longest,
-                                                                         causal=True)
+            batch = prepare_varlen(cu, max_seqlen_q=longest)  # once, as a training step does for every layer
+            self.forward = lambda: flash_attn_varlen_triton(*self.inputs, batch, causal=True)
+            self.differentiable = lambda a, b, c: flash_attention_varlen(a, b, c, batch, causal=True)
         elif route is not None:
             from helpers.kernels.backward import flash_attention
             from helpers.kernels.forward import flash_attn_triton

@@ -1,14 +1,37 @@
-"""`make bench`, the "varlen" rows: packed variable-length prefill on one GPU.
+"""`make bench`, the "varlen" and "packed_documents" rows: packed variable-length attention on one GPU.
 
-    python3 bench/bench_varlen.py [--out FILE] [--quick] [--tune-dense] [--smoke]
+    python3 bench/bench_varlen.py [--out FILE] [--quick] [--packed | --serving] [--budget S] [--tune-dense] [--smoke]
 
-For each length mix (uniform 512-8k, long-tailed: many 128-1k plus a few 8k-16k, equal lengths;
-32k tokens in all, seeded), bf16 and fp16, d = 64 (H = 32) and d = 128 (H = 16), causal and not,
-Hkv = H and, on the uniform mix, Hkv = H / 4, three ways of doing the same attention:
+**packed_documents** (``--packed`` alone): pre-training's packed rows, documents causal within themselves, bf16,
+H = 16 with Hkv = 4 (and one MHA row), forward and backward, three ways in one run:
 
-* ``flash_attn_varlen_triton`` on the packed batch (helpers/kernels/varlen.py), called with
-  validate=False: no host sync, as the FlashAttention library (the default validate=True adds one
-  device-to-host copy of cu_seqlens per call);
+* the course: ``flash_attention_varlen(q, k, v, batch, causal=True)`` on ``batch = prepare_varlen(cu_seqlens)``,
+  made once per batch and not timed (a training step makes it once for every layer): q ``[T, H, d]``, k, v
+  ``[T, Hkv, d]``;
+* FlexAttention with a document mask, ``torch.compile(flex_attention, dynamic=False)``, its block mask from
+  ``create_block_mask`` (128 x 128) built once and not timed, ``enable_gqa=True``, q ``[1, H, T, d]``;
+* SDPA with the dense boolean document mask ``[T, T]`` (K and V repeated to H heads beforehand), the default
+  dispatch (a mask rules out the flash backend); T <= 16384 only (it computes every pair).
+
+Mixes (seeded): lognormal lengths of medians 32 to 1024 (sigma 1, as bench/train_llama.py's), 16 documents of
+random length, equal lengths, a few long documents among many short ones, one document longer than all the others
+together; T from 4096 to 32768, d 64 and 128. The table's first rows are the priorities: a time budget stops
+starting new rows (they are listed as skipped). Every row is checked against float64 first, on its first, last
+and longest documents (the forward's O and lse; dq, dk, dv by the closed-form backward): each error at most twice
+SDPA's on the same document in bf16, plus 1e-5 (FlashAttention's rule); a row that fails is recorded, not timed.
+Timing: bench/common.py's policy (do_bench median, L2 flushed); the backward alone (``o.backward(do)``, the
+forward's graph kept). Rows ``{mix, T, d, H, Hkv, causal, fwd_course_ms, fwd_flex_ms, bwd_course_ms, bwd_flex_ms,
+pass}`` plus SDPA's times and the lengths; the checks, the tiles chosen and the forward's CUDA-graph time in
+``packed_documents_meta["details"]``. Written after every row.
+
+**varlen** (``--serving`` alone): serving's packed prefill. For each length mix (uniform 512-8k, long-tailed:
+many 128-1k plus a few 8k-16k, equal lengths; 32k tokens in all, seeded), bf16 and fp16, d = 64 (H = 32) and
+d = 128 (H = 16), causal and not, Hkv = H and, on the uniform mix, Hkv = H / 4, three ways of doing the same
+attention:
+
+* ``flash_attn_varlen_triton`` on a prepared batch (helpers/kernels/varlen.py's ``prepare_varlen``, made
+  once); the library's unchecked form (``validate=False``: nothing read back, lesson 10's map built in every
+  call on the device) in the row's details;
 * ``flash_attn_triton`` (the dense kernel) on a batch of equal lengths with the same total tokens,
   L = the mix's mean length rounded to 128, B' = total / L;
 * SDPA on the padded batch [B, H, max_len, d], the fastest of its cuDNN and flash backends (forced
@@ -21,24 +44,25 @@ Useful FLOPs only: 4 * H * d * (visible (query, key) pairs), summed over the rea
 n (n + 1) / 2 pairs for a sequence of n tokens); the dense row counts its own batch's pairs, the padded
 SDPA row the same useful FLOPs as the varlen row. Correctness first: the first two, the last two and the
 longest sequence of each case against SDPA in float64 on that sequence alone (chunks of rows, explicit
-mask), max error at most twice SDPA's own in the same dtype, plus 1e-5. Timing: bench/common.py's policy,
-triton.testing.do_bench median, L2 flushed. Merges its rows into FILE (default bench/results/<gpu>.json)
-under "varlen" and "varlen_meta", leaving every other key as it was; prints a short table last.
+mask), max error at most twice SDPA's own in the same dtype, plus 1e-5. Merges its rows into FILE (default
+bench/results/<gpu>.json) under "varlen" and "varlen_meta" (and "packed_documents", "packed_documents_meta"),
+leaving every other key as it was; prints a short table last.
 
 --smoke: tiny sizes, fp32 under Triton's interpreter on the CPU (TRITON_INTERPRET=1, set here when there
-is no GPU): the script's own test, not a measurement.
+is no GPU; FlexAttention eager): the script's own test, not a measurement.
 """
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
-from common import (TIMING, bench_ms, log, results_path, run_meta, sdpa_ms, within_sdpa_error,  # noqa: E402
-                    write_section)
+from common import (TIMING, bench_ms, graph_ms, log, results_path, run_meta, sdpa_ms, why,  # noqa: E402
+                    within_sdpa_error, write_section)
 
 import torch  # noqa: E402
 
@@ -49,14 +73,16 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from helpers.kernels.forward import flash_attn_triton  # noqa: E402
-from helpers.kernels.varlen import flash_attn_varlen_triton, varlen_block_m, varlen_block_map  # noqa: E402
+from helpers.kernels.varlen import chosen_configs, flash_attn_varlen_triton, prepare_varlen  # noqa: E402
+from helpers.kernels.varlen_backward import flash_attention_varlen  # noqa: E402
 
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # The dense kernel's autotuner chose these on the H200 for N >= 2048 in nearly every row of
 # bench/results/h200.json (prefill); fixed here to keep the script's compile time inside its budget.
 DENSE_CONFIG = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
                 128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)}
-BUDGET_S = 220  # stop starting new rows after this (the whole script must stay under 4 minutes)
+BUDGET_S = 220  # serving rows: stop starting new ones after this
+PACKED_BUDGET_S = 420  # packed rows: the same (with --quick, a third of it)
 
 
 # ----------------------------------------------------------------------------- lengths and FLOPs
@@ -201,11 +227,13 @@ def run_row(dtype, d, causal, H, Hkv, mix, total, device, smoke, tune_dense):
            "lengths": lens if len(lens) <= 16 else summary(lens)}
     detail = {}  # what does not belong in the row's fixed keys: into varlen_meta["details"]
 
+    batch = prepare_varlen(cu_list, device=device)  # checked once, as a server does per batch
+
     def varlen():
-        return flash_attn_varlen_triton(q, k, v, cu, cu, max(lens), max(lens), causal=causal, validate=False)
+        return flash_attn_varlen_triton(q, k, v, batch, causal=causal)
 
     t_first = time.perf_counter()
-    o, _ = flash_attn_varlen_triton(q, k, v, cu, cu, max(lens), max(lens), causal=causal)  # validated once
+    o, _ = varlen()
     t_first = (time.perf_counter() - t_first) * 1e3
     ok, err, sdpa_err = check(q, k, v, cu_list, lens, causal, o)
     row["err_ratio"] = round(err / max(sdpa_err, 1e-12), 3)
@@ -213,11 +241,10 @@ def run_row(dtype, d, causal, H, Hkv, mix, total, device, smoke, tune_dense):
     del o
     ms = t_first if smoke else bench_ms(varlen)  # smoke: the interpreter is slow, one call is enough
     row["triton_tflops"] = round(flops / ms / 1e9, 1)
-    if not smoke:  # the map built once per batch and shared by the layers: what the map costs per call
-        premade = varlen_block_map(cu, varlen_block_m(d), total_q=total)
+    if not smoke:  # the library's unchecked form: nothing read back, lesson 10's map built on the device per call
         ms = bench_ms(lambda: flash_attn_varlen_triton(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
-                                                       validate=False, block_map=premade))
-        detail["triton_premapped_tflops"] = round(flops / ms / 1e9, 1)
+                                                       validate=False))
+        detail["triton_unprepared_tflops"] = round(flops / ms / 1e9, 1)
 
     # the dense kernel on equal lengths, same total tokens
     step = 16 if smoke else 128
@@ -247,7 +274,7 @@ def table(rows):
     head = f"{'dtype':9} {'d':>4} {'causal':>6} {'H/Hkv':>6} {'mix':12} {'varlen':>7} {'dense':>7} {'sdpa-pad':>8} " \
            f"{'v/dense':>7} {'v/sdpa':>7} {'err/sdpa':>8}"
     lines = [head, "-" * len(head)]
-    for r in rows:
+    for r in rows:  # pass: the course's check against float64
         tv, td, ts = r.get("triton_tflops"), r.get("dense_triton_tflops"), r.get("sdpa_padded_tflops")
         lines.append(
             f"{r['dtype']:9} {r['d']:>4} {str(r['causal']):>6} {r['H']:>3}/{r['Hkv']:<2} {r['mix']:12} "
@@ -257,21 +284,7 @@ def table(rows):
     return "\n".join(lines) + "\n(TFLOP/s of useful work; v/dense, v/sdpa: the varlen kernel's ratios)"
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="JSON file to merge the rows into (default bench/results/<gpu>.json)")
-    ap.add_argument("--quick", action="store_true", help="bf16 only")
-    ap.add_argument("--tune-dense", action="store_true", help="autotune the dense kernel instead of its fixed config")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes under the interpreter (the script's test)")
-    args = ap.parse_args(argv)
-    on_gpu = torch.cuda.is_available() and not args.smoke
-    if not on_gpu and not args.smoke:
-        raise SystemExit("bench_varlen.py needs a CUDA GPU (or --smoke for the interpreter run)")
-    if args.smoke and torch.cuda.is_available():
-        raise SystemExit("--smoke is the CPU interpreter run; on a GPU machine run without it")
-    device = "cuda" if on_gpu else "cpu"
-    gpu = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter smoke run)"
-    path = args.out or results_path(gpu)
+def serving_section(args, device, gpu, path):
     total = 96 if args.smoke else 32768
     t0 = time.time()
     log(f"{gpu} torch {torch.__version__} triton {triton.__version__}; varlen rows into {path}")
@@ -289,14 +302,15 @@ def main(argv=None):
         log("  varlen", json.dumps(row), json.dumps(detail))
         rows.append(row)
         details.append(detail)
-        if on_gpu:
+        if device == "cuda":
             torch.cuda.empty_cache()
     meta = {
         **run_meta(gpu),
         "timing": TIMING,
         "flops": "useful only: 4*H*d*visible (query, key) pairs summed over real sequences (causal: n(n+1)/2)",
-        "varlen": "flash_attn_varlen_triton, validate=False (no host sync), the block map built in every call "
-                  "(details: triton_premapped_tflops, the map passed in); autotuned BLOCK_N, warps, stages",
+        "varlen": "flash_attn_varlen_triton on a prepare_varlen batch (made once, not timed; tiles chosen on the "
+                  "first call); details: triton_unprepared_tflops, the library's unchecked form (validate=False, "
+                  "lesson 10's map built on the device in every call)",
         "dense": "flash_attn_triton on [B', H, L, d], L = mean length rounded to 128, same total tokens; "
                  + ("autotuned" if args.tune_dense else f"fixed config {DENSE_CONFIG}"),
         "sdpa_padded": "fastest of SDPA cuDNN / flash on [B, H, max_len, d], K/V expanded to H heads; causal: "
@@ -311,6 +325,343 @@ def main(argv=None):
     write_section("varlen", rows, meta, path)
     log(f"done in {meta['seconds']}s; wrote {len(rows)} rows to {path}" + (f"; skipped {skipped}" if skipped else ""))
     log(table(rows))
+    return rows
+
+
+# ----------------------------------------------------------------------------- packed documents (pre-training)
+
+
+def doc_lengths(mix, T, rng, scale=1):
+    """Document lengths summing to T for a named mix (seeded by rng; scale divides the lengths, for --smoke)."""
+    def lognormal(median):
+        lens = []
+        while sum(lens) < T:
+            lens.append(max(1, int(math.exp(math.log(median / scale) + rng.gauss(0.0, 1.0)))))
+        lens[-1] -= sum(lens) - T  # the row's last document is cut
+        return [n for n in lens if n > 0]
+
+    if mix.startswith("lognormal "):
+        return lognormal(int(mix.split()[1]))
+    if mix.endswith(" random"):  # n documents at random cuts of the row
+        n = int(mix.split()[0])
+        cuts = sorted(rng.sample(range(1, T), n - 1))
+        return [b - a for a, b in zip([0] + cuts, cuts + [T])]
+    if " x " in mix:  # n equal lengths L (not scaled)
+        n, L = (int(x) for x in mix.split(" x "))
+        assert n * L == T, (mix, T)
+        return [L] * n
+    if mix == "few long, many short":  # two long documents among many of 16 to 256 tokens
+        lens = [3 * T // 8, 3 * T // 8]
+        while sum(lens) < T:
+            lens.append(rng.randint(max(1, 16 // scale), max(1, 256 // scale)))
+        lens[-1] -= sum(lens) - T
+        rng.shuffle(lens)
+        return [n for n in lens if n > 0]
+    if mix == "one longer than the rest":  # 60% of the row in one document, the rest lognormal around 64
+        long = 3 * T // 5
+        rest = []
+        while sum(rest) < T - long:
+            rest.append(max(1, int(math.exp(math.log(64 / scale) + rng.gauss(0.0, 1.0)))))
+        rest[-1] -= sum(rest) - (T - long)
+        rest = [n for n in rest if n > 0]
+        at = rng.randint(0, len(rest))
+        return rest[:at] + [long] + rest[at:]
+    raise ValueError(f"unknown mix {mix!r}")
+
+
+def packed_cases(quick, smoke):
+    """[(mix, T, d, Hkv, causal)] in priority order (H = 16): the first ones are what the targets are about."""
+    if smoke:
+        return [("lognormal 256", 64, 16, 1, True), ("one longer than the rest", 64, 16, 2, True),
+                ("2 x 32", 64, 16, 1, False)]
+    first = [(m, 16384, 128, 4, True) for m in ("lognormal 256", "16 random", "4 x 4096", "one longer than the rest")]
+    if quick:
+        return first
+    more = [(m, 16384, 128, 4, True) for m in ("lognormal 64", "lognormal 1024", "few long, many short",
+                                               "lognormal 32")]
+    return first + more + [("lognormal 256", 4096, 128, 4, True), ("lognormal 1024", 32768, 128, 4, True),
+                           ("8 x 4096", 32768, 128, 4, True), ("lognormal 256", 16384, 64, 4, True),
+                           ("4 x 4096", 16384, 64, 4, True), ("lognormal 256", 16384, 128, 16, True),
+                           ("lognormal 256", 16384, 128, 4, False), ("4 x 4096", 16384, 128, 4, False)]
+
+
+def _document_mask_mods():
+    """FlexAttention's document masks, causal and not, reading the document ids from ``holder[0]`` ([T] int32): one
+    mask_mod function for every row, so that a new batch of the same T is no new compile (dynamo guards the
+    tensor's shape, not its values; a closure, so that dynamo reaches it through the function however this
+    script was loaded)."""
+    holder = [None]
+
+    def causal(b, h, q_idx, kv_idx):
+        doc = holder[0]
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    def full(b, h, q_idx, kv_idx):
+        doc = holder[0]
+        return doc[q_idx] == doc[kv_idx]
+
+    return holder, causal, full
+
+
+_DOC_IDS, _doc_causal, _doc_full = _document_mask_mods()
+
+
+def _reference_doc(q, k, v, do, causal):
+    """float64 (O [n, H, d], lse [H, n], dq, dk [n, Hkv, d], dv) of one document, head by head, by the closed
+    form: P = softmax(S), dP = dO V^T, dS = P (dP - rowsum(dO O)), dQ = dS K s, dK = dS^T Q s, dV = P^T dO."""
+    n, H, d = q.shape
+    Hkv = k.shape[1]
+    g = H // Hkv
+    scale = 1.0 / math.sqrt(d)
+    o = torch.empty(n, H, d, dtype=torch.float64, device=q.device)
+    lse = torch.empty(H, n, dtype=torch.float64, device=q.device)
+    dq = torch.empty_like(o)
+    dk = torch.zeros(n, Hkv, d, dtype=torch.float64, device=q.device)
+    dv = torch.zeros_like(dk)
+    keep = torch.ones(n, n, dtype=torch.bool, device=q.device)
+    if causal:
+        keep = torch.tril(keep)
+    for h in range(H):
+        qh, kh, vh, doh = q[:, h].double(), k[:, h // g].double(), v[:, h // g].double(), do[:, h].double()
+        s = (qh @ kh.T * scale).masked_fill(~keep, float("-inf"))  # [n, n]
+        lse[h] = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse[h][:, None])  # [n, n]
+        o[:, h] = p @ vh
+        dp = doh @ vh.T  # [n, n]
+        ds = p * (dp - (doh * o[:, h]).sum(-1, keepdim=True))
+        dq[:, h] = ds @ kh * scale
+        dk[:, h // g] += ds.T @ qh * scale
+        dv[:, h // g] += p.T @ doh
+    return o, lse, dq, dk, dv
+
+
+def _sdpa_doc(q, k, v, do, causal):
+    """SDPA in the inputs' dtype on one document, K and V repeated to the query heads: (O, dq, dk, dv), the
+    gradients of K and V summed back over each group in float32."""
+    n, H, d = q.shape
+    g = H // k.shape[1]
+    qq, kk, vv = (t.detach().transpose(0, 1)[None].requires_grad_() for t in (q, k, v))  # [1, heads, n, d]
+    o = F.scaled_dot_product_attention(qq, kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1), is_causal=causal)
+    o.backward(do.transpose(0, 1)[None])
+    back = lambda t: t.grad[0].transpose(0, 1)  # noqa: E731
+    return o[0].transpose(0, 1).detach(), back(qq), back(kk), back(vv)
+
+
+def check_packed(q, k, v, do, lens, causal, o, lse, grads):
+    """Errors of the course's O, lse and gradients against float64 on the first, last and longest documents,
+    beside SDPA's on the same documents in the same dtype; pass: each within 2x SDPA's + 1e-5 (lse within 5e-3)."""
+    B = len(lens)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    picks = sorted({0, B - 1, max(range(B), key=lens.__getitem__)})
+    err = {name: [0.0, 0.0] for name in ("o", "dq", "dk", "dv")}  # [course, sdpa]
+    lse_err = 0.0
+    for b in picks:
+        r = slice(cu[b], cu[b + 1])
+        ref = _reference_doc(q[r], k[r], v[r], do[r], causal)
+        mine = (o[r], grads[0][r], grads[1][r], grads[2][r])
+        theirs = _sdpa_doc(q[r], k[r], v[r], do[r], causal)
+        for name, want, a, b_ in zip(("o", "dq", "dk", "dv"), (ref[0], ref[2], ref[3], ref[4]), mine, theirs):
+            err[name][0] = max(err[name][0], (a.double() - want).abs().max().item())
+            err[name][1] = max(err[name][1], (b_.double() - want).abs().max().item())
+        lse_err = max(lse_err, (lse[:, r].double() - ref[1]).abs().max().item())
+    finite = all(bool(torch.isfinite(t).all()) for t in (o, lse, *grads))
+    ok = finite and lse_err < 5e-3 and all(within_sdpa_error(a, b) for a, b in err.values())
+    return {"pass": ok, "lse_err": lse_err, **{f"{n}_err": [float(f"{a:.3g}"), float(f"{b:.3g}")]
+                                              for n, (a, b) in err.items()}, "checked_docs": picks}
+
+
+def run_packed_row(mix, T, d, Hkv, causal, flex, create_block_mask, device, smoke):
+    H = 2 if smoke else 16
+    dt = torch.float32 if smoke else torch.bfloat16
+    rng = random.Random(f"{mix}-{T}")
+    lens = doc_lengths(mix, T, rng, scale=128 if smoke else 1)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    g = torch.Generator(device=device).manual_seed(len(lens) * 1000 + d)
+    q = torch.randn(T, H, d, device=device, dtype=dt, generator=g)  # [T, H, d]
+    k = torch.randn(T, Hkv, d, device=device, dtype=dt, generator=g)  # [T, Hkv, d]
+    v = torch.randn(T, Hkv, d, device=device, dtype=dt, generator=g)
+    do = torch.randn(T, H, d, device=device, dtype=dt, generator=g)
+    row = {"mix": mix, "T": T, "d": d, "H": H, "Hkv": Hkv, "causal": causal,
+           "lengths": lens if len(lens) <= 16 else summary(lens)}
+    detail = {"mix": mix, "T": T, "d": d, "Hkv": Hkv, "causal": causal}
+
+    # the course: the batch made once (not timed), the library's layout
+    batch = prepare_varlen(cu, device=device)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o_c = flash_attention_varlen(*leaves, batch, causal=causal)
+    o_c.backward(do, retain_graph=True)
+    grads = [t.grad.detach().clone() for t in leaves]
+    _, lse = flash_attn_varlen_triton(q, k, v, batch, causal=causal)
+    detail.update(check_packed(q, k, v, do, lens, causal, o_c.detach(), lse, grads))
+    row["pass"] = detail["pass"]
+
+    # FlexAttention: the block mask built once (not timed), compiled
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))  # [T]
+    _DOC_IDS[0] = doc.to(torch.int32)
+    mask_mod = _doc_causal if causal else _doc_full
+    bm = create_block_mask(mask_mod, 1, None, T, T, device=device, BLOCK_SIZE=128)
+    q4, k4, v4, do4 = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v, do))  # [1, heads, T, d]
+    fl = [t.detach().clone().requires_grad_(not smoke) for t in (q4, k4, v4)]  # no Flex backward on a CPU
+    o_f = flex(*fl, block_mask=bm, enable_gqa=True)
+    detail["flex_vs_course_max_diff"] = float(f"{(o_f[0].transpose(0, 1).float() - o_c.float()).abs().max():.3g}")
+    detail["flex_agrees"] = detail["flex_vs_course_max_diff"] < (1e-4 if smoke else 0.1)  # a stale mask: O(1) apart
+    if not detail["flex_agrees"]:
+        log(f"  FlexAttention's O differs from the course's by {detail['flex_vs_course_max_diff']}: its mask?")
+    for key in ("fwd_course_ms", "fwd_flex_ms", "bwd_course_ms", "bwd_flex_ms", "fwd_sdpa_ms", "bwd_sdpa_ms"):
+        row[key] = None
+    if not row["pass"]:
+        return row, detail
+    ms = lambda fn, **kw: bench_ms(fn, smoke=smoke, **kw)  # noqa: E731  (smoke: one call's wall clock)
+    plain = [t.detach() for t in (q, k, v)]
+    row["fwd_course_ms"] = ms(lambda: flash_attention_varlen(*plain, batch, causal=causal))
+    row["fwd_flex_ms"] = ms(lambda: flex(q4, k4, v4, block_mask=bm, enable_gqa=True))
+    row["bwd_course_ms"] = ms(lambda: o_c.backward(do, retain_graph=True), grad_to_none=leaves)
+    if not smoke:  # FlexAttention has no backward on a CPU
+        row["bwd_flex_ms"] = ms(lambda: o_f.backward(do4, retain_graph=True), grad_to_none=fl)
+    detail["fwd_course_graph_ms"] = graph_ms(lambda: flash_attention_varlen(*plain, batch, causal=causal), smoke)
+    if T <= 16384:  # SDPA with the dense document mask: every pair computed
+        same = doc[:, None] == doc[None, :]
+        mask = (same & torch.ones_like(same).tril()) if causal else same  # [T, T]
+        ke, ve = (t.repeat_interleave(H // Hkv, 1).detach() for t in (k4, v4))  # [1, H, T, d]
+        sd = [t.detach().clone().requires_grad_() for t in (q4, ke, ve)]
+        row["fwd_sdpa_ms"] = ms(lambda: F.scaled_dot_product_attention(q4, ke, ve, attn_mask=mask))
+        o_s = F.scaled_dot_product_attention(*sd, attn_mask=mask)
+        row["bwd_sdpa_ms"] = ms(lambda: o_s.backward(do4, retain_graph=True), grad_to_none=sd)
+        del o_s, sd, mask, same
+    flops = sum(4 * H * d * visible_pairs(n, n, causal) for n in lens)
+    detail["useful_tflops"] = {f"{p}_{who}": round((2.5 if p == "bwd" else 1) * flops / row[f"{p}_{who}_ms"] / 1e9, 1)
+                               for p in ("fwd", "bwd") for who in ("course", "flex") if row[f"{p}_{who}_ms"]}
+    return row, detail
+
+
+def geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def packed_summary(rows):
+    """The issue's figures: geometric means of FlexAttention's time over the course's on the causal rows, forward and
+    backward, and the lowest row of each."""
+    causal = [r for r in rows if r["causal"] and r["pass"]]
+    fwd = [r["fwd_flex_ms"] / r["fwd_course_ms"] for r in causal if r["fwd_flex_ms"] and r["fwd_course_ms"]]
+    bwd = [r["bwd_flex_ms"] / r["bwd_course_ms"] for r in causal if r["bwd_flex_ms"] and r["bwd_course_ms"]]
+    out = {"rows": len(causal), "fwd_x_flex": geomean(fwd), "bwd_x_flex": geomean(bwd),
+           "fwd_min": min(fwd, default=None), "bwd_min": min(bwd, default=None)}
+    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def packed_table(rows):
+    fmt = lambda x: f"{x:8.3f}" if x else f"{'-':>8}"  # noqa: E731
+    ratio = lambda a, b: f"{a / b:6.2f}" if a and b else f"{'-':>6}"  # noqa: E731
+    head = (f"{'mix':26} {'T':>6} {'d':>4} {'H/Hkv':>6} {'causal':>6} {'fwd':>8} {'flex':>8} {'x':>6} {'sdpa':>8} "
+            f"{'x':>6} {'bwd':>8} {'flex':>8} {'x':>6} {'sdpa':>8} {'x':>6} pass")
+    lines = [head, "-" * len(head)]
+    for r in rows:  # pass: the course's check against float64
+        lines.append(f"{r['mix']:26} {r['T']:>6} {r['d']:>4} {r['H']:>3}/{r['Hkv']:<2} {str(r['causal']):>6} "
+                     f"{fmt(r['fwd_course_ms'])} {fmt(r['fwd_flex_ms'])} {ratio(r['fwd_flex_ms'], r['fwd_course_ms'])} "
+                     f"{fmt(r['fwd_sdpa_ms'])} {ratio(r['fwd_sdpa_ms'], r['fwd_course_ms'])} "
+                     f"{fmt(r['bwd_course_ms'])} {fmt(r['bwd_flex_ms'])} {ratio(r['bwd_flex_ms'], r['bwd_course_ms'])} "
+                     f"{fmt(r['bwd_sdpa_ms'])} {ratio(r['bwd_sdpa_ms'], r['bwd_course_ms'])} {r['pass']}")
+    return "\n".join(lines) + "\n(ms, do_bench median; x = the peer's time / the course's)"
+
+
+def packed_section(args, device, gpu, path):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if args.smoke:
+        flex = flex_attention  # eager on the CPU: a check of the script's paths
+    else:
+        # one compiled FlexAttention for every row; past dynamo's recompile limit torch.compile would silently run
+        # flex_attention eagerly (bench_masks.py saw a 68x slower "FlexAttention" that way): lift the limit
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 10_000)
+        flex = torch.compile(flex_attention, dynamic=False)
+    budget = args.budget if args.budget is not None else PACKED_BUDGET_S / (3 if args.quick else 1)
+    t0 = time.time()
+    log(f"{gpu} torch {torch.__version__} triton {triton.__version__}; packed_documents rows into {path}")
+    rows, details, skipped = [], [], []
+    meta = {**run_meta(gpu), "timing": TIMING, "dtype": "float32 (smoke)" if args.smoke else "bfloat16",
+            "course": "flash_attention_varlen(q, k, v, prepare_varlen(cu_seqlens), causal=...): the batch made once, "
+                      "not timed; q [T, H, d], k, v [T, Hkv, d]; tiles chosen on the first call of each shape class",
+            "flex": "torch.compile(flex_attention, dynamic=False), create_block_mask(document mask, 128 x 128) built "
+                    "once, not timed; enable_gqa=True; q [1, H, T, d]",
+            "sdpa": "F.scaled_dot_product_attention with the dense [T, T] bool document mask, default dispatch, K and "
+                    "V repeated to H heads beforehand; T <= 16384 only",
+            "bwd": "o.backward(do) alone, the forward's graph kept",
+            "check": "first, last and longest document vs float64 (closed-form backward): O, dq, dk, dv each within "
+                     "2x SDPA's error on the same document (bf16) + 1e-5, lse within 5e-3",
+            "details": details, "skipped_for_time": skipped}
+    for c in packed_cases(args.quick, args.smoke):
+        if time.time() - t0 > budget:
+            skipped.append(list(c))
+            continue
+        try:
+            row, detail = run_packed_row(*c, flex=flex, create_block_mask=create_block_mask, device=device,
+                                         smoke=args.smoke)
+        except Exception as e:  # noqa: BLE001 - recorded in the row; the next rows still run
+            if args.smoke:
+                raise
+            import traceback
+            log(f"  {c}: {why(e, 300)}\n{traceback.format_exc()[-2000:]}")
+            mix, T, d, Hkv, causal = c
+            row = {"mix": mix, "T": T, "d": d, "H": 16, "Hkv": Hkv, "causal": causal, "lengths": None, "pass": False,
+                   **{key: None for key in ("fwd_course_ms", "fwd_flex_ms", "bwd_course_ms", "bwd_flex_ms",
+                                            "fwd_sdpa_ms", "bwd_sdpa_ms")}}
+            detail = {"mix": mix, "T": T, "error": why(e, 300)}
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        detail["seconds_since_start"] = round(time.time() - t0, 1)
+        log("  packed", json.dumps(row), json.dumps(detail))
+        rows.append(row)
+        details.append(detail)
+        meta.update(seconds=round(time.time() - t0, 1), summary=packed_summary(rows),
+                    tiles={str(key): cfg for key, cfg in chosen_configs().items()})
+        write_section("packed_documents", rows, meta, path)  # after every row: a run cut short keeps what it did
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    meta.update(seconds=round(time.time() - t0, 1), summary=packed_summary(rows))
+    write_section("packed_documents", rows, meta, path)
+    log(f"done in {meta['seconds']}s; wrote {len(rows)} rows to {path}" + (f"; skipped {skipped}" if skipped else ""))
+    log(packed_table(rows))
+    log(f"causal rows, FlexAttention's time / the course's (geometric mean; lowest row): "
+        f"{json.dumps(meta['summary'])}  (targets: forward >= 1.1, backward >= 1.0, no row below 0.9)")
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON file to merge the rows into (default bench/results/<gpu>.json)")
+    ap.add_argument("--quick", action="store_true", help="fewer rows: serving bf16 only; packed: 4 mixes at T 16384")
+    ap.add_argument("--packed", action="store_true", help="only the packed documents (pre-training) rows")
+    ap.add_argument("--serving", action="store_true", help="only the serving (varlen prefill) rows")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"packed rows: seconds after which no new row starts (default {PACKED_BUDGET_S}, a third "
+                         f"with --quick)")
+    ap.add_argument("--tune-dense", action="store_true", help="autotune the dense kernel instead of its fixed config")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes under the interpreter (the script's test)")
+    args = ap.parse_args(argv)
+    on_gpu = torch.cuda.is_available() and not args.smoke
+    if not on_gpu and not args.smoke:
+        raise SystemExit("bench_varlen.py needs a CUDA GPU (or --smoke for the interpreter run)")
+    if args.smoke and torch.cuda.is_available():
+        raise SystemExit("--smoke is the CPU interpreter run; on a GPU machine run without it")
+    if args.packed and args.serving:
+        raise SystemExit("--packed and --serving each pick one section: give one, or neither for both")
+    device = "cuda" if on_gpu else "cpu"
+    gpu = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter smoke run)"
+    path = args.out or results_path(gpu)
+    rows = []
+    if not args.packed:
+        rows = serving_section(args, device, gpu, path)
+    if not args.serving:
+        packed = packed_section(args, device, gpu, path)
+        rows = rows if not args.packed else packed
     return rows
 
 

@@ -34,6 +34,7 @@ from common import log, write_json  # noqa: E402  (common puts the repository ro
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "bench" / "results" / "check_gpu.json"
 KERNEL_TESTS = ["tests/test_triton_kernels.py", "tests/test_triton_bwd.py", "tests/test_triton_varlen.py",
+                "tests/test_packed_documents.py",
                 "tests/test_triton_kvcache.py", "tests/test_lesson07.py", "tests/test_lesson08_gpu.py",
                 "tests/test_triton_mode.py", "tests/test_triton_block_sparse.py", "tests/test_triton_mods.py",
                 "tests/test_triton_kvcache_mods.py", "tests/test_forward_backends.py",

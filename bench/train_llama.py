@@ -1,4 +1,5 @@
-"""A Llama-style model trained on packed documents with the course's varlen kernels and, from the same seed, with SDPA.
+"""A Llama-style model trained on packed documents with the course's varlen kernels, with FlexAttention and with SDPA,
+from the same seed.
 
     python3 bench/train_llama.py [--steps 200] [--out DIR]       # on a CUDA GPU (bf16 autocast)
     python3 bench/train_llama.py --cpu --tiny --out DIR           # a tiny run under the Triton interpreter
@@ -6,22 +7,28 @@
 The model: RMSNorm, rotary position embeddings (RoPE, positions restart at every document), grouped-query
 attention (4 query heads per KV head, head dim 128), a SwiGLU MLP, untied output head; 8 layers at context 4096
 on a GPU. Data: the bytes of the course's own text (bench/common.py's ``corpus_bytes``) cut into documents of
-mixed length (lognormal: median 256 bytes on a GPU, 8 in the tiny run, which has documents of length 1), packed end to end into rows of T tokens, a row
-never splitting a document across rows (the last one is cut). Each token predicts the next one of its own
-document; a document's last token predicts nothing.
+mixed length (lognormal: median 256 bytes on a GPU, 8 in the tiny run, which has documents of length 1), packed
+end to end into rows of T tokens, a row never splitting a document across rows (the last one is cut). Each token
+predicts the next one of its own document; a document's last token predicts nothing.
 
-The two runs differ only in the attention call:
+The three runs differ only in the attention call and in what each builds once per step for all layers:
 
 * ``course``: the batch as one packed stream, q ``[B*T, H, d]``, k, v ``[B*T, Hkv, d]``,
-  ``helpers.kernels.varlen_backward.flash_attention_varlen(..., cu_seqlens, cu_seqlens, max_len, max_len,
-  causal=True)`` (the FlashAttention library's ``flash_attn_varlen_func`` layout): no padding, no mask tensor,
-  K and V never repeated;
-* ``sdpa``: ``[B, H, T, d]`` with a boolean document mask ``[B, 1, T, T]`` (same document and j <= i), K and V
-  repeated to H heads, ``F.scaled_dot_product_attention`` with its default dispatch (the flash backend takes no
-  mask, so PyTorch picks another).
+  ``helpers.kernels.varlen_backward.flash_attention_varlen(q, k, v, batch, causal=True)`` with ``batch =
+  prepare_varlen(cu_seqlens)`` made once per step from the host's cu_seqlens (no sync; the FlashAttention
+  library's ``flash_attn_varlen_func`` layout): no padding, no mask tensor, K and V never repeated;
+* ``flex``: ``[B, H, T, d]``, ``torch.compile(flex_attention)`` with a document mask (same document and j <= i),
+  its block mask from ``create_block_mask`` once per step, ``enable_gqa=True`` (what a user of PyTorch picks
+  for packed documents);
+* ``sdpa``: ``[B, H, T, d]`` with a boolean document mask ``[B, 1, T, T]`` made once per step, K and V repeated
+  to H heads, ``F.scaled_dot_product_attention`` with its default dispatch (the flash backend takes no mask, so
+  PyTorch picks another).
 
-Same seed, same initial weights, same batches. Writes <out>/train_llama.json (loss per step, tokens per
-second, settings, versions) and <out>/train_llama.png (both loss curves).
+Same seed, same initial weights, same batches. After each run, the attention's share of a step: one layer's
+attention forward and backward on that step's shapes and documents (do_bench), times the layers, plus the
+per-step build, over the run's mean step time. Writes <out>/train_llama.json (loss per step, tokens per second,
+the share, settings, versions) and <out>/train_llama.png (the loss curves). The tiny CPU run trains the course
+and SDPA (FlexAttention has no backward on a CPU) and checks FlexAttention's forward loss on the first batch.
 """
 
 import math
@@ -33,14 +40,16 @@ if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is impor
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py (its docstring says why)
-from common import (adamw_cosine, corpus_bytes, log, run_meta, save_figure, subplots, train_step,  # noqa: E402
-                    training_cli, write_json)
+from common import (adamw_cosine, bench_ms, corpus_bytes, log, run_meta, save_figure, subplots,  # noqa: E402
+                    train_step, training_cli, why, write_json)
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from helpers.kernels.varlen_backward import flash_attention_varlen  # noqa: E402
+from helpers.kernels.varlen_backward import flash_attention_varlen, prepare_varlen  # noqa: E402
+
+ATTENTIONS = ("course", "flex", "sdpa")
 
 GPU_CONFIG = dict(n_layer=8, n_head=16, n_kv_head=4, head_dim=128, T=4096, batch=4, steps=200, lr=6e-4, warmup=20,
                   doc_median=256)
@@ -104,6 +113,60 @@ def rope(x, pos, base=10000.0):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
 
 
+def _document_mask_mod():
+    """FlexAttention's mask_mod for packed causal documents, reading the step's document ids ``holder[0]`` [B, T]:
+    one function for every step, so that a new batch is no new compile (dynamo guards the ids' shape only)."""
+    holder = [None]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        doc = holder[0]
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx)
+    return holder, mask_mod
+
+
+_DOC_IDS, _doc_mask_mod = _document_mask_mod()
+_flex = {}  # the compiled flex_attention, made on first use
+
+
+def flex_fn(device):
+    from torch.nn.attention.flex_attention import flex_attention
+    if device != "cuda":  # eager on a CPU (forward only there)
+        return flex_attention
+    if "fn" not in _flex:
+        _flex["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _flex["fn"]
+
+
+def step_context(attn, doc_id, cu, max_len, device):
+    """What one step builds once for every layer: the course's prepared batch (from the host's cu_seqlens: no sync),
+    FlexAttention's block mask, SDPA's dense mask [B, 1, T, T] (same document and j <= i)."""
+    B, T = doc_id.shape
+    if attn == "course":
+        return prepare_varlen(cu, device=device)
+    if attn == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+        _DOC_IDS[0] = doc_id
+        return create_block_mask(_doc_mask_mod, B, None, T, T, device=device)
+    i = torch.arange(T, device=doc_id.device)
+    return ((doc_id[:, :, None] == doc_id[:, None, :]) & (i[None, :] <= i[:, None])[None])[:, None]
+
+
+def attention(attn, q, k, v, ctx):
+    """Causal attention within each document: q [B, T, H, d], k, v [B, T, Hkv, d] -> [B, T, H * d]."""
+    B, T, H, d = q.shape
+    if attn == "course":
+        flat = [t.reshape(B * T, t.shape[2], d).contiguous() for t in (q, k, v)]  # [B*T, heads, d]
+        return flash_attention_varlen(*flat, ctx, causal=True).view(B, T, H * d)
+    qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, d]
+    if attn == "flex":
+        y = flex_fn(q.device.type)(qs, ks, vs, block_mask=ctx, enable_gqa=True)
+    else:
+        g = H // k.shape[2]
+        y = F.scaled_dot_product_attention(qs, ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1),
+                                           attn_mask=ctx)
+    return y.transpose(1, 2).reshape(B, T, H * d)
+
+
 class Block(nn.Module):
     def __init__(self, cfg, attn):
         super().__init__()
@@ -117,22 +180,13 @@ class Block(nn.Module):
         self.w13 = nn.Linear(C, 2 * hidden, bias=False)
         self.w2 = nn.Linear(hidden, C, bias=False)
 
-    def forward(self, x, pos, cu, max_len, mask):
+    def forward(self, x, pos, ctx):
         B, T, C = x.shape
         h = self.n1(x)
         q = rope(self.wq(h).view(B, T, self.H, self.d), pos)                     # [B, T, H, d]
         k, v = self.wkv(h).view(B, T, 2, self.Hkv, self.d).unbind(2)             # each [B, T, Hkv, d]
         k = rope(k, pos)
-        if self.attn == "course":
-            flat = [t.reshape(B * T, t.shape[2], self.d).contiguous() for t in (q, k, v)]  # [B*T, heads, d]
-            y = flash_attention_varlen(*flat, cu, cu, max_len, max_len, causal=True).view(B, T, self.H * self.d)
-        else:
-            g = self.H // self.Hkv
-            qs = q.transpose(1, 2)                                                # [B, H, T, d]
-            ks, vs = (t.transpose(1, 2).repeat_interleave(g, dim=1) for t in (k, v))
-            y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
-            y = y.transpose(1, 2).reshape(B, T, self.H * self.d)
-        x = x + self.wo(y)
+        x = x + self.wo(attention(self.attn, q, k, v, ctx))
         a, b = self.w13(self.n2(x)).chunk(2, -1)
         return x + self.w2(F.silu(a) * b)
 
@@ -151,13 +205,10 @@ class Llama(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, x, y, pos, doc_id, cu, max_len):
-        mask = None
-        if self.blocks[0].attn == "sdpa":  # same document and j <= i: [B, 1, T, T], built once per step
-            i = torch.arange(x.shape[1], device=x.device)
-            mask = ((doc_id[:, :, None] == doc_id[:, None, :]) & (i[None, :] <= i[:, None])[None])[:, None]
+        ctx = step_context(self.blocks[0].attn, doc_id, cu, max_len, x.device.type)  # once per step, every layer
         h = self.tok(x)
         for blk in self.blocks:
-            h = blk(h, pos, cu, max_len, mask)
+            h = blk(h, pos, ctx)
         logits = self.head(self.norm(h))                                          # [B, T, vocab]
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
 
@@ -173,7 +224,7 @@ def train(attn, cfg, data, docs, device, dtype, seed=1234):
     skip = min(10, cfg["steps"] // 4)  # steps left out of the rate (compilation, autotuning)
     steps = list(packed_batches(data, docs, cfg["T"], cfg["batch"], cfg["steps"], seed, "cpu"))  # built before timing
     for step, (x, y, pos, doc_id, cu, max_len) in enumerate(steps):
-        x, y, pos, doc_id, cu = (t.to(device, non_blocking=True) for t in (x, y, pos, doc_id, cu))
+        x, y, pos, doc_id = (t.to(device, non_blocking=True) for t in (x, y, pos, doc_id))  # cu: on the host
         if step == skip:
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -187,16 +238,58 @@ def train(attn, cfg, data, docs, device, dtype, seed=1234):
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t_start
-    return {"loss": [round(v, 5) for v in losses], "tokens_per_s": round(timed_tokens / seconds, 1),
-            "timed_steps": cfg["steps"] - skip, "documents_per_step": round(sum(segments) / len(segments), 1),
-            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None}
+    out = {"loss": [round(v, 5) for v in losses], "tokens_per_s": round(timed_tokens / seconds, 1),
+           "timed_steps": cfg["steps"] - skip, "documents_per_step": round(sum(segments) / len(segments), 1),
+           "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None}
+    if device == "cuda":
+        out.update(attention_share(attn, cfg, steps[-1], seconds / (cfg["steps"] - skip), device, dtype))
+    return out
+
+
+def attention_share(attn, cfg, step, step_s, device, dtype):
+    """The attention's part of a step: one layer's attention forward and backward (do_bench, on this step's
+    documents and shapes, random q, k, v), times the layers, plus the step's build (batch, block mask or mask)."""
+    x, _, _, doc_id, cu, max_len = step
+    B, T = x.shape
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = lambda heads: (B, T, heads, cfg["head_dim"])  # noqa: E731
+    q = torch.randn(shape(cfg["n_head"]), device=device, dtype=dtype, generator=g).requires_grad_()
+    k, v = (torch.randn(shape(cfg["n_kv_head"]), device=device, dtype=dtype, generator=g).requires_grad_()
+            for _ in range(2))
+    dy = torch.randn(B, T, cfg["n_head"] * cfg["head_dim"], device=device, dtype=dtype, generator=g)
+    doc_id = doc_id.to(device)
+    ctx = step_context(attn, doc_id, cu, max_len, device)
+    layer_ms = bench_ms(lambda: attention(attn, q, k, v, ctx).backward(dy), grad_to_none=[q, k, v])
+    def build():  # the step's set-up; the course's batch with the maps its kernels used (built on first use)
+        made = step_context(attn, doc_id, cu, max_len, device)
+        for key in (ctx.built_maps() if attn == "course" else ()):
+            made.block_map(*key)
+    build_ms = bench_ms(build)
+    per_step = cfg["n_layer"] * layer_ms + build_ms
+    return {"attention_ms_per_layer": round(layer_ms, 4), "step_build_ms": round(build_ms, 4),
+            "step_ms": round(1e3 * step_s, 3), "attention_share": round(per_step / (1e3 * step_s), 4)}
+
+
+def flex_forward_check(cfg, data, docs, device):
+    """The first batch's loss with FlexAttention's document mask, forward only, beside SDPA's (same weights): the
+    tiny CPU run's check of the flex path (FlexAttention has no backward on a CPU)."""
+    batch = next(packed_batches(data, docs, cfg["T"], cfg["batch"], 1, 1234, device))
+    out = {}
+    with torch.no_grad():
+        for attn in ("flex", "sdpa"):
+            torch.manual_seed(1234)
+            out[attn] = Llama(cfg, attn).to(device)(*batch).item()
+    return round(abs(out["flex"] - out["sdpa"]), 7)
 
 
 def plot(res, path):
     fig, ax = subplots(figsize=(7, 4))
     for name, style, label in (("course", "-", "course flash_attention_varlen (Triton)"),
-                               ("sdpa", "--", "SDPA, document mask")):
-        r = res["runs"][name]
+                               ("flex", ":", "FlexAttention, document block mask"),
+                               ("sdpa", "--", "SDPA, dense document mask")):
+        r = res["runs"].get(name)
+        if r is None:
+            continue
         ax.plot(range(1, len(r["loss"]) + 1), r["loss"], style, lw=1,
                 label=f"{label}: {r['tokens_per_s'] / 1e3:.0f}k tokens/s")
     c = res["config"]
@@ -220,20 +313,54 @@ def main():
            "document_lengths": {"min": min(n for _, n in docs), "median": sorted(n for _, n in docs)[len(docs) // 2],
                                 "max": max(n for _, n in docs)},
            "parameters": sum(p.numel() for p in Llama(cfg, "course").parameters()), "runs": {}}
-    for attn in ("course", "sdpa"):
+    runs = ATTENTIONS if device == "cuda" else ("course", "sdpa")  # FlexAttention has no backward on a CPU
+    for attn in runs:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        res["runs"][attn] = train(attn, cfg, data, docs, device, dtype)
-        log(f"{attn}: final loss {res['runs'][attn]['loss'][-1]:.4f}, {res['runs'][attn]['tokens_per_s']:.0f} tokens/s")
+        try:
+            res["runs"][attn] = train(attn, cfg, data, docs, device, dtype)
+        except Exception as e:  # noqa: BLE001 - recorded; the other runs still go
+            if device != "cuda":
+                raise
+            import traceback
+            log(f"{attn}: {why(e, 300)}\n{traceback.format_exc()[-2000:]}")
+            res.setdefault("errors", {})[attn] = why(e, 300)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            continue
+        log(f"{attn}: final loss {res['runs'][attn]['loss'][-1]:.4f}, {res['runs'][attn]['tokens_per_s']:.0f} tokens/s"
+            + (f", attention {100 * res['runs'][attn]['attention_share']:.1f}% of a step"
+               if "attention_share" in res["runs"][attn] else ""))
+        write_json(os.path.join(args.out, "train_llama.json"), res)  # after every run
+    if not {"course", "sdpa"} <= set(res["runs"]):
+        write_json(os.path.join(args.out, "train_llama.json"), res)
+        sys.exit(f"train_llama.py: a run failed: {res.get('errors')}")
+    if device != "cuda":
+        res["flex_forward_loss_diff_vs_sdpa"] = flex_forward_check(cfg, data, docs, device)
     a, b = res["runs"]["course"]["loss"], res["runs"]["sdpa"]["loss"]
     res["max_loss_diff"] = round(max(abs(x - y) for x, y in zip(a, b)), 6)
     tail = max(1, len(a) // 10)
-    res["last_tenth_mean_loss"] = {"course": round(sum(a[-tail:]) / tail, 5), "sdpa": round(sum(b[-tail:]) / tail, 5)}
+    res["last_tenth_mean_loss"] = {name: round(sum(r["loss"][-tail:]) / tail, 5) for name, r in res["runs"].items()}
     res["speedup_tokens_per_s"] = round(res["runs"]["course"]["tokens_per_s"] / res["runs"]["sdpa"]["tokens_per_s"], 3)
+    if "flex" in res["runs"]:
+        f = res["runs"]["flex"]["loss"]
+        res["max_loss_diff_flex"] = round(max(abs(x - y) for x, y in zip(a, f)), 6)
+        res["max_loss_diff_flex_vs_sdpa"] = round(max(abs(x - y) for x, y in zip(f, b)), 6)
+        res["speedup_vs_flex_tokens_per_s"] = round(res["runs"]["course"]["tokens_per_s"]
+                                                    / res["runs"]["flex"]["tokens_per_s"], 3)
     write_json(os.path.join(args.out, "train_llama.json"), res)
     plot(res, os.path.join(args.out, "train_llama.png"))
     log(f"max |loss_course - loss_sdpa| over steps: {res['max_loss_diff']}; mean loss over the last tenth: "
-        f"{res['last_tenth_mean_loss']}; tokens/s ratio course/sdpa: {res['speedup_tokens_per_s']}")
+        f"{res['last_tenth_mean_loss']}")
+    log(f"{'run':>7} {'tokens/s':>10} {'x course':>9} {'attention share':>16} {'final loss':>11}")
+    for name, r in res["runs"].items():
+        share = f"{100 * r['attention_share']:.1f}%" if "attention_share" in r else "-"
+        log(f"{name:>7} {r['tokens_per_s']:>10.0f} {res['runs']['course']['tokens_per_s'] / r['tokens_per_s']:>9.3f} "
+            f"{share:>16} {r['loss'][-1]:>11.4f}")
+    if "flex" in res["runs"]:
+        log(f"course / flex tokens per second: {res['speedup_vs_flex_tokens_per_s']} (target >= 1.0); max loss "
+            f"difference course-flex {res['max_loss_diff_flex']}, flex-sdpa {res['max_loss_diff_flex_vs_sdpa']} "
+            f"(run-to-run noise: the bf16 runs differ by about the latter)")
 
 
 if __name__ == "__main__":

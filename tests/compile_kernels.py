@@ -326,26 +326,31 @@ def varlen_jobs(cc, dtypes):
     return jobs
 
 
-VARLEN_BWD_TARGETS = (90, 86, 75)  # the configuration the launcher picks (the first that fits): sm_86/89 and a T4 prune
+VARLEN_BWD_TARGETS = (90, 86, 75)  # where the candidates that fit differ: all of them (sm_86/89 and a T4 prune)
 
 
 def varlen_bwd_jobs(cc, dtypes):
-    """The packed backward's two kernels in the configuration ``varlen_bwd_configs`` picks on sm_cc (the first
-    of the dense tile set that fits): d = 128, or d = 64 where nothing fits at 128 (a T4)."""
+    """The packed backward's two kernels in every configuration ``varlen_bwd_configs`` may time on sm_cc (those of
+    the varlen backward's sets that fit): d = 128, or d = 64 where nothing fits at 128 (a T4)."""
     import helpers.kernels.varlen_backward as tvb
+    from helpers.kernels import common as kc
     if cc not in VARIANT_TARGETS + VARLEN_BWD_TARGETS:
         return []
     jobs = []
     for kind, fn, label in (("dkdv", tvb._bwd_dkdv_varlen, "varlen backward dK/dV"),
                             ("dq", tvb._bwd_dq_varlen, "varlen backward dQ")):
+        fits = lambda d: kc.fitting_configs(kind, kc.SHAPES[f"varlen_{kind}"](d), d, _torch_dtype("fp16"),  # noqa: E731
+                                            (cc // 10, cc % 10), TARGETS[cc]["smem"])
         try:
-            d, cfg = 128, _configs(kind, 128, "fp16", cc)[0]
+            d, cfgs = 128, fits(128)
         except ValueError:
-            d, cfg = 64, _configs(kind, 64, "fp16", cc)[0]
-
+            d, cfgs = 64, fits(64)
         # the library's options: none; on VARIANT_TARGETS also the window with ALiBi in the dK/dV kernel (the dQ
         # kernel's body is the dense one's, compiled with them in bwd_jobs: 9 s of ptxas saved)
-        for window, mod in ((False, 0), (True, 2)) if cc in VARIANT_TARGETS and kind == "dkdv" else ((False, 0),):
+        plan = [(cfg, False, 0) for cfg in cfgs]
+        if cc in VARIANT_TARGETS and kind == "dkdv":
+            plan.append((cfgs[0], True, 2))
+        for cfg, window, mod in plan:
             def build(fn=fn, cfg=cfg, d=d, kind=kind, dtype="fp16", window=window, mod=mod):
                 mod_ptrs, consts = _mods_sig(window, mod)
                 ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", SEQ_IDX="i32", CU_Q="i32",

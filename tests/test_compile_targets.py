@@ -110,12 +110,11 @@ def test_kernel_compiles_and_fits(compiled, cc, kernel):
 from helpers.kernels import common as kc, decode as kd, forward as kf  # noqa: E402
 import helpers.kernels.backward as tb  # noqa: E402
 import helpers.kernels.varlen as tv  # noqa: E402
+import helpers.kernels.varlen_backward as tvb  # noqa: E402
 
 # kind -> head dim -> (the autotuner, what its launcher passes besides the tensors)
 TUNED = {"fwd": lambda d: (kf._attn_fwd_tuned, {}), "dkdv": lambda d: (tb._bwd_dkdv_tuned[tb._d_class(d)], {}),
-         "dq": lambda d: (tb._bwd_dq_tuned[tb._d_class(d)], {}),
-         "varlen": lambda d: (tv._attn_fwd_varlen_tuned[tv._d_class(d)],
-                              {"BLOCK_M": tv._VARLEN_SHAPES[tv._d_class(d)][0]})}
+         "dq": lambda d: (tb._bwd_dq_tuned[tb._d_class(d)], {})}
 
 
 def _capability(cc):
@@ -143,7 +142,7 @@ def test_autotuners_keep_the_configs_that_fit(on_gpu, cc):
         for d in (64, 128, 80) + ((256,) if kind in ("dkdv", "dq") else ()):
             tuner, fixed = tuned(d)
             every = [{**fixed, **kc._config_dict(c)} for c in tuner.configs]
-            if cc < 80 and d >= 80 and kind in ("dkdv", "dq", "varlen"):  # no configuration fits a T4 there
+            if cc < 80 and d >= 80 and kind in ("dkdv", "dq"):  # no configuration fits a T4 there
                 with pytest.raises(ValueError, match=f"no configuration of the {kind} kernel fits .* 64 KB"):
                     tuner.early_config_prune(tuner.configs, {"Q": q}, HEAD_DIM=d, **fixed)
                 continue
@@ -152,6 +151,28 @@ def test_autotuners_keep_the_configs_that_fit(on_gpu, cc):
             assert kept, f"{kind}, d={d}: every configuration pruned on sm_{cc}"
             assert kept == kc.launch_configs(kind, d, torch.float16, _capability(cc), smem)
             _check_pruning(kind, d, cc, every, kept)
+
+
+@pytest.mark.parametrize("cc", TARGETS, ids=[f"sm_{cc}" for cc in TARGETS])
+def test_varlen_launchers_time_the_configs_that_fit(monkeypatch, cc):
+    """The packed kernels' candidates (``varlen.candidates``, timed once per shape class) are their sets pruned by
+    the GPU's shared memory, as the autotuners above: the forward's, the dK/dV and dQ kernels'."""
+    monkeypatch.setattr(tv, "interpreting", lambda: False)
+    monkeypatch.setattr(tv, "_device_limits", lambda device: (_capability(cc), TARGETS[cc]["smem"]))
+    gpu = torch.device("cuda", 0)
+    for kind, smem_kind in (("varlen", "varlen"), ("varlen_dkdv", "dkdv"), ("varlen_dq", "dq")):
+        for d in (64, 128, 80):
+            every = kc.SHAPES[kind](d)
+            if cc < 80 and d >= 80 and kind != "varlen":  # no configuration of the backward fits a T4 there
+                with pytest.raises(ValueError, match=f"no configuration of the {smem_kind} kernel fits .* 64 KB"):
+                    tv.candidates(smem_kind, every, d, torch.float16, gpu)
+                continue
+            kept = tv.candidates(smem_kind, every, d, torch.float16, gpu)
+            assert kept, f"{kind}, d={d}: every configuration pruned on sm_{cc}"
+            _check_pruning(smem_kind, d, cc, every, kept)
+    q = SimpleNamespace(dtype=torch.float16, device=gpu)
+    assert cc < 80 or tvb.varlen_bwd_configs(128, q) == (tv.candidates("dkdv", kc.SHAPES["varlen_dkdv"](128), 128, q.dtype, gpu),
+                                              tv.candidates("dq", kc.SHAPES["varlen_dq"](128), 128, q.dtype, gpu))
 
 
 def _check_pruning(kind, d, cc, every, kept):

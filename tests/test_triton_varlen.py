@@ -145,7 +145,10 @@ def test_varlen_other_tiles_and_int64_cu_seqlens():
     premade = varlen_block_map(_cu(lens_q), varlen_block_m(32), total_q=q.shape[0])  # built once per batch
     o3, lse3 = flash_attn_varlen_triton(q, k, v, _cu(lens_q), _cu(lens_k), 40, 50, causal=True, sm_scale=0.1,
                                         block_map=premade)
-    assert torch.equal(o3, o2) and torch.equal(lse3, lse2)
+    if ON_GPU:  # the given map fixes BLOCK_M: the two calls may time different tiles there
+        assert torch.allclose(o3.float(), o2.float(), atol=TOL[DTYPES[0]]) and torch.allclose(lse3, lse2, atol=1e-3)
+    else:
+        assert torch.equal(o3, o2) and torch.equal(lse3, lse2)
     with pytest.raises(ValueError, match="block_map must be"):
         flash_attn_varlen_triton(q, k, v, _cu(lens_q), _cu(lens_k), 40, 50, block_map=premade[0])
     cu = _cu(lens_q)
@@ -297,8 +300,8 @@ def test_varlen_gradcheck_tiny():
 
 
 def test_varlen_backward_bad_input():
-    """The backward's own checks, and cu_seqlens that cannot disagree with the forward's: autograd saves them, so
-    changing them in place between forward and backward is an error, not a wrong gradient."""
+    """The backward's own checks, and cu_seqlens that cannot disagree with the forward's: the forward's batch keeps
+    its own copy of them, so changing the caller's tensor in place between forward and backward changes nothing."""
     lens = [3, 4]
     q, k, v = _packed(lens, lens, 2, 1, 16, DTYPES[0], seed=0)
     cu = _cu(lens)
@@ -311,17 +314,23 @@ def test_varlen_backward_bad_input():
         flash_attn_varlen_bwd_triton(o[:3], q, k, v, o, lse, cu, cu, 4, 4)
     with pytest.raises(ValueError, match="multiple of Hkv"):
         flash_attention_varlen(q, torch.cat([k, k, k], 1), torch.cat([v, v, v], 1), cu, cu, 4, 4)
-    qg = q.clone().requires_grad_()
-    cu_q = cu.clone()
-    out = flash_attention_varlen(qg, k, v, cu_q, cu, 4, 4, causal=True)
-    cu_q[1] = 2  # the packing changed after the forward
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    grads = []
+    for change in (False, True):
+        qg = q.clone().requires_grad_()
+        cu_q = cu.clone()
+        out = flash_attention_varlen(qg, k, v, cu_q, cu, 4, 4, causal=True)
+        if change:
+            cu_q[1] = 2  # the packing changed after the forward: the backward still uses the forward's
         out.sum().backward()
+        grads.append(qg.grad)
+    assert torch.equal(grads[0], grads[1])
 
 
 def test_train_llama_tiny(tmp_path):
     """bench/train_llama.py --cpu --tiny: the Llama-style model trained on packed documents with the varlen kernels
-    and with SDPA under a document mask gives the same losses in fp32 (same seed, same batches); record and figure."""
+    (one prepared batch per step) and with SDPA under a document mask gives the same losses in fp32 (same seed,
+    same batches); FlexAttention's document mask gives SDPA's forward loss (it has no backward on a CPU); record
+    and figure."""
     if ON_GPU:
         pytest.skip("the tiny run is the CPU/interpreter configuration")
     import json
@@ -337,6 +346,7 @@ def test_train_llama_tiny(tmp_path):
     a, b = rec["runs"]["course"]["loss"], rec["runs"]["sdpa"]["loss"]
     assert len(a) == len(b) == rec["config"]["steps"] and all(math.isfinite(x) for x in a)
     assert rec["max_loss_diff"] < 1e-4, (a, b)
+    assert rec["flex_forward_loss_diff_vs_sdpa"] < 1e-4 and "flex" not in rec["runs"]
     assert rec["runs"]["course"]["documents_per_step"] > rec["config"]["batch"]   # rows hold several documents
     assert rec["document_lengths"]["min"] == 1                                    # and some of length 1
     assert (tmp_path / "train_llama.png").stat().st_size > 1000

@@ -5,8 +5,9 @@ interpreter without a GPU).
 * ``decode``: ``flash_decode_triton`` — Flash-Decoding, split-KV with the merge in the same launch (lessons 07, 10).
 * ``backward``: ``flash_attention`` (autograd) and ``flash_attn_bwd_triton`` — the FlashAttention-2 backward
   (lesson 08).
-* ``varlen``: ``flash_attn_varlen_triton`` and its grid map ``varlen_block_map`` — packed variable-length
-  sequences, the library's ``cu_seqlens`` layout (lesson 10).
+* ``varlen``: ``flash_attn_varlen_triton``, ``prepare_varlen`` (a packed batch checked once and shared by every
+  layer: no host sync in the passes) and lesson 10's grid map ``varlen_block_map`` — packed variable-length
+  sequences, the library's ``cu_seqlens`` layout (lesson 10; packed documents in pre-training, lesson 08).
 * ``varlen_backward``: ``flash_attention_varlen`` (autograd, the library's ``flash_attn_varlen_func``) and
   ``flash_attn_varlen_bwd_triton`` — the backward over the packed layout, GQA included.
 * ``kvcache``: ``flash_attn_with_kvcache_triton`` — a contiguous or paged KV cache (lesson 10).

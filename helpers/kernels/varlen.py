@@ -1,25 +1,43 @@
-"""Packed variable-length attention forward in Triton (lesson 10).
+"""Packed variable-length attention forward in Triton (lesson 10), and the prepared batch a training step shares.
 
-Serving and training systems do not pad a batch of sequences to one length: they
-pack them end to end and say where each starts with ``cu_seqlens`` (0, then the
-cumulative lengths), the FlashAttention library's ``flash_attn_varlen_func``
-layout. Two public functions:
+Serving and training systems do not pad a batch of sequences to one length: they pack them end to end and say
+where each starts with ``cu_seqlens`` (0, then the cumulative lengths), the FlashAttention library's
+``flash_attn_varlen_func`` layout. Pre-training packs documents into long rows the same way, with a causal mask
+inside each document. Public:
 
-* ``varlen_block_map(cu_seqlens_q, BLOCK_M) -> (seq_idx, q_start)``: the grid's
-  map, in plain torch. Program p owns the block of BLOCK_M query rows of sequence
-  ``seq_idx[p]`` that starts at packed row ``q_start[p]``; no program is spent on
-  padding, and none waits on a host sync to learn the lengths.
-* ``flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-  max_seqlen_k, causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0,
-  alibi_slopes=None) -> (O, lse)``: q ``[total_q, H, d]``,
-  k, v ``[total_k, Hkv, d]``. Each program finds its sequence's rows and keys, then
-  runs the dense forward's block body (``_attn_fwd_rows`` and its inner loop
-  ``_attn_fwd_inner`` from helpers/kernels/forward.py: one source) with that
-  sequence's lengths. Causal is bottom-right per sequence, as in the library; so are
-  the sliding window and ALiBi (slopes [H] or [num_seqs, H]); softcap as in the dense forward.
+* ``prepare_varlen(cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *, device=None)
+  -> VarlenBatch``: the batch's layout, checked once where the batch is made. From host values (a list or a CPU
+  tensor, as a data loader has them) nothing waits for the GPU; from a GPU tensor one copy to the host. The
+  batch keeps its own device copy of cu_seqlens and builds the program maps from the host values (per block
+  size, cached): every layer's forward and backward of a step reuse them, read nothing back from the GPU and
+  can be captured in a CUDA graph. The library checks nothing either: it leaves validation to the caller.
+* ``flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+  sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> (O, lse)``: q ``[total_q, H, d]``,
+  k, v ``[total_k, Hkv, d]``; ``cu_seqlens_q`` may be a ``VarlenBatch`` (then the next three are left out).
+  Each program finds its sequence's rows and keys, then runs the dense forward's block body
+  (``_attn_fwd_rows`` and its inner loop ``_attn_fwd_inner`` from helpers/kernels/forward.py: one source) with
+  that sequence's lengths, so every document gets the dense kernel's tile classes: key tiles no row of the block
+  sees are never visited, tiles every row sees in full run without a mask, the diagonal band and the ragged
+  tail with one. Causal is bottom-right per sequence, as in the library; so are the sliding window and ALiBi
+  (slopes [H] or [num_seqs, H]); softcap as in the dense forward.
+* ``varlen_block_map(cu_seqlens_q, BLOCK_M) -> (seq_idx, q_start)`` and ``varlen_block_m(d)``: lesson 10's
+  program map, built on the device with torch ops from the device's cu_seqlens (no host sync, an upper bound
+  of programs, the spares marked -1), for a caller that has no batch.
 
-References: Dao, "FlashAttention-2" (2023); the FlashAttention library's varlen
-interface (``cu_seqlens``, ``max_seqlen``). Written for this course.
+The grid is one flat axis over (map entry, head), the heads fastest: the programs that run side by side are
+the heads of a few blocks, which read the same keys of one document (grouped-query heads read one KV head).
+A prepared batch's map lists the blocks by the work they do, heaviest first (under a causal mask the last
+query blocks of the longest documents, which see the most keys; in the backward's dK/dV map the first key
+blocks, which the most rows see), so that the long programs start first and the short ones, a document of 9
+tokens next to one of 4291, fill the gaps at the end: the greedy longest-first order of list scheduling.
+
+Tiles: each kernel's configuration is chosen per shape class (head dim, dtype, the masks, the GQA group, the
+batch's length class: the work-weighted mean document length, rounded to a power of two) by timing the
+candidates on the first call, outside a CUDA graph capture; every candidate's map comes from the batch.
+
+References: Dao, "FlashAttention-2" (2023); the FlashAttention library's varlen interface (``cu_seqlens``,
+``max_seqlen``); Graham, "Bounds on multiprocessing timing anomalies" (1969) for the longest-first order.
+Written for this course.
 """
 
 import math
@@ -29,15 +47,213 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .common import (LOG2E, SHAPES, TensorDescriptor, _check_head_dim, _check_qkv, head_block, prune_for_device,
-                     tile_configs)
-from .forward import _attn_fwd_rows, _check_mods, _check_use_tma, _set_kv_block_shape, _use_tma_default
+from .common import (LOG2E, SHAPES, TensorDescriptor, _check_head_dim, _check_qkv, _device_limits, fitting_configs,
+                     head_block, tile_configs)
+from .forward import _attn_fwd_rows, _check_mods, _check_use_tma, _use_tma_default
 
-__all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m"]
+__all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m", "prepare_varlen", "VarlenBatch"]
 
 
 # ----------------------------------------------------------------------------
-# The grid's map: (sequence, Q block) per program, built on the device
+# The prepared batch: cu_seqlens checked once, the program maps built from the host values
+# ----------------------------------------------------------------------------
+
+
+def _check_cu_kind(name, cu):
+    """cu_seqlens' type, rank and dtype (a tensor) or its entries (a list), without reading a tensor's values."""
+    if isinstance(cu, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu):
+            raise TypeError(f"{name} must hold ints, got {cu!r}")
+        n = len(cu)
+    elif isinstance(cu, torch.Tensor):
+        if cu.dim() != 1:
+            raise ValueError(f"{name} must be 1-D [B + 1], got shape {tuple(cu.shape)}")
+        if cu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 (or int64), got {str(cu.dtype).replace('torch.', '')}")
+        n = cu.numel()
+    else:
+        raise TypeError(f"{name} must be a torch.Tensor (int32 [B + 1]) or a list of ints, got {type(cu).__name__}")
+    if n < 2:
+        raise ValueError(f"{name} must hold at least one sequence: [0, len_0, ...], got "
+                         f"{cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)}")
+
+
+def _host_values(cu_q, cu_k):
+    """Both cu_seqlens as lists of ints: one copy to the host for the tensors (none for CPU tensors and lists)."""
+    _check_cu_kind("cu_seqlens_q", cu_q)
+    _check_cu_kind("cu_seqlens_k", cu_k)
+    if cu_k is cu_q:
+        values = cu_q.tolist() if isinstance(cu_q, torch.Tensor) else list(cu_q)
+        return values, values
+    if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and cu_q.device == cu_k.device:
+        both = torch.cat([cu_q.to(torch.int64), cu_k.to(torch.int64)]).tolist()  # the batch's one host copy
+        return both[:cu_q.numel()], both[cu_q.numel():]
+    return tuple(c.tolist() if isinstance(c, torch.Tensor) else list(c) for c in (cu_q, cu_k))
+
+
+def _check_cu_values(name, cu, max_seqlen, max_name):
+    """0 first, never decreasing, within int32, the longest within max_seqlen (when given). Returns the lengths."""
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    for i, n in enumerate(lens):
+        if n < 0:
+            raise ValueError(f"{name} must not decrease: {name}[{i}] = {cu[i]} > {name}[{i + 1}] = {cu[i + 1]}")
+    if cu[-1] >= 2**31:
+        raise ValueError(f"{name}[-1] = {cu[-1]}: the kernels index packed rows in int32")
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}")
+        longest = max(lens)
+        if max_seqlen < longest:
+            raise ValueError(f"{max_name} = {max_seqlen} is smaller than sequence {lens.index(longest)}'s "
+                             f"length {longest}")
+    return lens
+
+
+def _to_device(rows, device):
+    """int32 tensor of these host values on device, copied without waiting for the GPU (pinned, non-blocking)."""
+    t = torch.tensor(rows, dtype=torch.int32)
+    if device.type != "cuda":
+        return t.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a VarlenBatch builds its program maps outside a CUDA graph capture: run one forward and "
+                           "backward of the step before capturing it (the maps are cached in the batch)")
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class VarlenBatch:
+    """One packed batch's layout, checked once and shared by every layer of a step (``prepare_varlen`` makes it).
+
+    ``cu_seqlens_q``, ``cu_seqlens_k``: the batch's own int32 [B + 1] copies on ``device`` (a later in-place change
+    to the caller's tensors cannot make them disagree with the maps); ``max_seqlen_q``, ``max_seqlen_k``,
+    ``total_q``, ``total_k``, ``num_seqs``: ints on the host; ``lengths_q``, ``lengths_k``: int64 [B] on the CPU;
+    ``length_class``: round(log2) of the work-weighted mean query length (sum n^3 / sum n^2), clamped to 6 .. 10
+    (64 to 1024 tokens: past a few tiles every document runs like a long one), part of the key the kernels' tile
+    choice is cached under. ``block_map(block, kind, causal)``: a program map (below); ``built_maps()``: the
+    (block, kind, causal) of the maps built so far.
+    """
+
+    def __init__(self, cu_q, cu_k, max_seqlen_q, max_seqlen_k, device):
+        lens_q = _check_cu_values("cu_seqlens_q", cu_q, max_seqlen_q, "max_seqlen_q")
+        lens_k = _check_cu_values("cu_seqlens_k", cu_k, max_seqlen_k, "max_seqlen_k")
+        if len(lens_q) != len(lens_k):
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same B sequences: "
+                             f"B = {len(lens_q)} and {len(lens_k)}")
+        self.device = device
+        self.num_seqs = len(lens_q)
+        self.total_q, self.total_k = cu_q[-1], cu_k[-1]
+        self.max_seqlen_q = max(lens_q) if max_seqlen_q is None else max_seqlen_q
+        self.max_seqlen_k = max(lens_k) if max_seqlen_k is None else max_seqlen_k
+        self._cu_host = (torch.tensor(cu_q, dtype=torch.int64), torch.tensor(cu_k, dtype=torch.int64))
+        self.lengths_q = self._cu_host[0][1:] - self._cu_host[0][:-1]  # [B]
+        self.lengths_k = self._cu_host[1][1:] - self._cu_host[1][:-1]  # [B]
+        both = _to_device([cu_q, cu_k], device)  # [2, B + 1]: one copy for both
+        self.cu_seqlens_q, self.cu_seqlens_k = both[0], both[1]
+        n = self.lengths_q.double()
+        mean = float((n ** 3).sum() / (n ** 2).sum()) if self.total_q else 1.0
+        self.length_class = min(10, max(6, round(math.log2(max(mean, 1.0)))))  # 64 .. 1024: where tiles differ
+        self._maps = {}
+
+    def block_map(self, block, kind="q", causal=False):
+        """``(seq_idx, start)``, int32 [P] on the batch's device: entry p is the block of ``block`` query rows
+        (``kind="q"``: the forward and dQ) or keys (``"k"``: dK/dV) of sequence ``seq_idx[p]`` that starts at
+        packed row ``start[p]``; exactly one entry per block with rows (a sequence of length 0 has none), a key
+        block of a sequence with no queries included (its dK, dV are written as 0). Ordered by the work the
+        block's programs do, heaviest first (``_work_order``); built once per (block, kind, causal) and cached."""
+        key = (block, kind, bool(causal))
+        if key not in self._maps:
+            seq, start = _work_order(self._cu_host, self.lengths_q, self.lengths_k, block, kind, causal)
+            both = _to_device(torch.stack([seq, start]).tolist(), self.device)  # [2, P]
+            self._maps[key] = (both[0], both[1])
+        return self._maps[key]
+
+    def built_maps(self):
+        """The (block, kind, causal) of every map built so far (a benchmark rebuilds them to time a batch's set-up)."""
+        return list(self._maps)
+
+    def __repr__(self):
+        return (f"VarlenBatch({self.num_seqs} sequences, {self.total_q} query / {self.total_k} key rows, "
+                f"max_seqlen {self.max_seqlen_q}/{self.max_seqlen_k}, on {self.device})")
+
+
+def _work_order(cu_host, lens_q, lens_k, block, kind, causal):
+    """(seq_idx, start) int64 [P] on the CPU, heaviest first. Kind "q": query block m of a sequence with lengths
+    (n, nk) visits keys [0, min((m + 1) * block + nk - n, nk)) under the bottom-right causal mask (all nk keys
+    without it); kind "k": key block j is seen by rows [clamp(j * block - (nk - n), 0, n), n) (all n without the
+    mask). Ties keep sequence order, then block order (a stable sort)."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    if kind not in ("q", "k"):
+        raise ValueError(f"kind must be 'q' (query blocks) or 'k' (key blocks), got {kind!r}")
+    lens = lens_q if kind == "q" else lens_k  # [B]
+    n_blocks = (lens + block - 1) // block  # [B]
+    seq = torch.repeat_interleave(torch.arange(lens.numel()), n_blocks)  # [P] sequence by sequence
+    first = torch.cumsum(n_blocks, 0) - n_blocks  # [B] index of each sequence's first block
+    j = torch.arange(seq.numel()) - first[seq]  # [P] block index within its sequence
+    n, nk = lens_q[seq], lens_k[seq]  # [P]
+    if kind == "q":
+        work = torch.minimum((j + 1) * block + nk - n, nk).clamp(min=0) if causal else nk  # keys visited
+    else:
+        work = n - (j * block - (nk - n)).clamp(min=0).minimum(n) if causal else n  # rows visited
+    order = torch.argsort(-work, stable=True)  # [P]
+    start = cu_host[0 if kind == "q" else 1][seq] + j * block  # [P] first packed row (or key) of the block
+    return seq[order], start[order]
+
+
+def prepare_varlen(cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *, device=None):
+    """The layout of one packed batch, checked once: returns a ``VarlenBatch`` to pass to every layer's
+    ``flash_attention_varlen`` / ``flash_attn_varlen_triton`` (in place of cu_seqlens and max_seqlen).
+
+    cu_seqlens_q: [B + 1] int32 or int64 (a tensor on any device, or a list of ints), 0 then the cumulative query
+    lengths; cu_seqlens_k: the same for the keys, None for packed self-attention (the query layout).
+    max_seqlen_q, max_seqlen_k: the library's arguments, checked when given (the longest lengths otherwise).
+    device: where the kernels will run (default: cu_seqlens_q's device for a tensor; for a list, CUDA when the
+    course runs natively, else the CPU). Checked: 0 first, never decreasing, the same B for q and k.
+
+    Cost: from host values, no sync (a data loader builds cu_seqlens on the CPU); from a GPU tensor, one copy to
+    the host. The program maps are built on the host and copied to the device without waiting (pinned memory),
+    on the first call that needs each one: run one step before capturing a CUDA graph.
+    """
+    if cu_seqlens_k is None:
+        cu_seqlens_k = cu_seqlens_q
+        if max_seqlen_k is None:
+            max_seqlen_k = max_seqlen_q
+    if device is None:
+        if isinstance(cu_seqlens_q, torch.Tensor):
+            device = cu_seqlens_q.device
+        else:
+            device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cu_q, cu_k = _host_values(cu_seqlens_q, cu_seqlens_k)
+    return VarlenBatch(cu_q, cu_k, max_seqlen_q, max_seqlen_k, device)
+
+
+class _DeviceLayout:
+    """The library's arguments taken as they are, nothing read back (``validate=False``): cu_seqlens stay on the
+    device and each map is lesson 10's, built there with torch ops (``varlen_block_map``: block-index order, an
+    upper bound of entries, the spares -1). Wrong values give wrong results, as in the library."""
+
+    length_class = None
+
+    def __init__(self, cu_q, cu_k, total_q, total_k):
+        self.cu_seqlens_q, self.cu_seqlens_k = cu_q.contiguous(), cu_k.contiguous()
+        self.total_q, self.total_k = total_q, total_k
+        self.num_seqs = cu_q.numel() - 1
+        self._maps = {}
+
+    def block_map(self, block, kind="q", causal=False):
+        key = (block, kind)
+        if key not in self._maps:
+            cu, total = (self.cu_seqlens_q, self.total_q) if kind == "q" else (self.cu_seqlens_k, self.total_k)
+            self._maps[key] = varlen_block_map(cu, block, total_q=total)
+        return self._maps[key]
+
+
+# ----------------------------------------------------------------------------
+# Lesson 10's map: (sequence, Q block) per program, built on the device
 # ----------------------------------------------------------------------------
 
 
@@ -58,6 +274,7 @@ def varlen_block_map(cu_seqlens_q, BLOCK_M, total_q=None):
     Order: by the block's index within its sequence, largest first; equal indices in sequence order.
     Under a causal mask a block's work grows with its index, and only long sequences have large
     indices, so the programs that run longest start first and the short ones fill in at the end.
+    (A ``VarlenBatch``, which knows the lengths on the host, orders by the work itself: ``_work_order``.)
     """
     if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
         raise ValueError("cu_seqlens_q must be a 1-D tensor [B + 1] with B >= 1")
@@ -106,13 +323,14 @@ def _attn_fwd_varlen(
     WINDOW: tl.constexpr,  # a lower bound: j >= i + Nk - N - left
     SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
 ):
-    # grid = (P, H): program (p, h) owns entry p of the map for query head h
+    # grid = (P * H,): program pid owns entry pid // H of the map for query head pid % H (the heads fastest)
     pid = tl.program_id(0)
-    off_h = tl.program_id(1)
+    entry = pid // H
+    off_h = pid % H
     off_hkv = off_h // (H // Hkv)  # grouped-query attention
 
-    seq = tl.load(SEQ_IDX + pid)
-    if seq < 0:  # a spare program: the map's length P is an upper bound on the blocks
+    seq = tl.load(SEQ_IDX + entry)
+    if seq < 0:  # a spare program of lesson 10's map (an upper bound on the blocks)
         return
     q_beg = tl.load(CU_Q + seq).to(tl.int32)  # first packed row of this sequence (cu_seqlens may be int64)
     k_beg = tl.load(CU_K + seq).to(tl.int32)  # and its first key; int32 like TMA's coordinates
@@ -122,7 +340,7 @@ def _attn_fwd_varlen(
     alibi_diag = diag  # ALiBi's distance |i + Nk - N - j|
     diag_lo = diag - left  # the window: i + diag - left <= j <= i + diag + right
     diag = diag + right
-    start_m = (tl.load(Q_START + pid) - q_beg) // BLOCK_M  # block index within the sequence
+    start_m = (tl.load(Q_START + entry) - q_beg) // BLOCK_M  # block index within the sequence
     slope = 0.0
     if SCORE_MOD == 2:
         slope = tl.load(SLOPES + seq * stride_sb + off_h)
@@ -154,17 +372,18 @@ def _attn_fwd_varlen(
 
 
 # ----------------------------------------------------------------------------
-# Configurations: BLOCK_M is fixed per head dim (the map is built for it), the rest autotuned
+# Configurations: candidates per head-dim class, one chosen per shape class by timing them once
 # ----------------------------------------------------------------------------
 
 _INTERPRETER_VARLEN_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-# Per head-dim class: BLOCK_M, then (BLOCK_N, num_warps, num_stages) around what the dense forward's
-# autotuner chose on the H200 (bench/results/h200.json: 128 x 64, 8 warps, 3 stages for d = 64; 128 x 128
-# for d = 128). Three each: every config is compiled on first use, and `make bench` has a time budget.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class, around what the dense forward's autotuner chose
+# on the H200 (bench/results/h200.json: 128 x 64 for d = 64, 128 x 128 for d = 128 on long rows, 64 x 64 on
+# rows of 512 to 1024): a batch of short documents takes the smaller tile. The first one's BLOCK_M is
+# varlen_block_m(d), for lesson 10's maps.
 _VARLEN_SHAPES = {
-    64: (128, [(64, 8, 3), (64, 8, 4), (64, 4, 3)]),  # d <= 64
-    128: (128, [(128, 8, 3), (64, 8, 3), (128, 8, 2)]),
-    256: (64, [(64, 4, 3), (32, 4, 3), (64, 4, 2)]),  # smaller tiles: q and two K/V stages fit shared memory
+    64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],  # d <= 64
+    128: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+    256: [(64, 64, 4, 3), (64, 32, 4, 3)],  # smaller tiles: q and two K/V stages fit shared memory
 }
 
 
@@ -173,68 +392,71 @@ def _d_class(d):
     return max(64, head_block(d))
 
 
-def _varlen_shapes(d):
-    bm, rest = _VARLEN_SHAPES[_d_class(d)]
-    return [(bm, bn, w, s) for bn, w, s in rest]
-
-
-SHAPES["varlen"] = lambda d: tile_configs(_varlen_shapes(d))
+SHAPES["varlen"] = lambda d: tile_configs(_VARLEN_SHAPES[_d_class(d)])
 
 
 def varlen_block_m(d):
-    """The BLOCK_M the varlen kernel uses for head dimension d (the map must be built for it)."""
+    """The BLOCK_M of the varlen kernel's first configuration for head dimension d: a map passed in as
+    ``block_map`` (lesson 10's ``varlen_block_map``) must be built for it."""
     if interpreting():
         return _INTERPRETER_VARLEN_CONFIG["BLOCK_M"]
-    return _VARLEN_SHAPES[_d_class(d)][0]
+    return _VARLEN_SHAPES[_d_class(d)][0][0]
 
 
-def _tuned(d_class):
-    configs = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_kv_block_shape)
-               for bn, w, s in _VARLEN_SHAPES[d_class][1]]
-    return triton.autotune(configs=configs, key=["HEAD_DIM", "CAUSAL", "USE_TMA", "WINDOW", "SCORE_MOD"],
-                           prune_configs_by={"early_config_prune": lambda cs, nargs, **kw: prune_for_device(
-                               "varlen", cs, nargs, kw)})(_attn_fwd_varlen)
+def candidates(smem_kind, configs, d, dtype, device):
+    """The configurations (dicts) of ``configs`` a launcher may time for head dim d on this device: those that fit
+    the GPU's shared memory by ``smem_estimate(smem_kind, ...)`` ("varlen", "dkdv", "dq"); one fixed small tile
+    under the interpreter."""
+    if interpreting() or device.type != "cuda":
+        return [dict(_INTERPRETER_VARLEN_CONFIG)]
+    cap, smem = _device_limits(device)
+    return fitting_configs(smem_kind, configs, d, dtype, cap, smem)
 
 
-_attn_fwd_varlen_tuned = {c: _tuned(c) for c in _VARLEN_SHAPES}
+_chosen = {}  # shape class -> the configuration timed fastest on its first call
+
+
+def chosen_configs():
+    """{shape class: configuration}: what each varlen kernel runs with after its first call (for the records)."""
+    return dict(_chosen)
+
+
+def tuned_launch(key, configs, launch, device):
+    """Run ``launch(cfg)`` in the configuration chosen for ``key``: on the first call outside a CUDA graph capture,
+    with more than one candidate on a GPU, each is timed (do_bench median; a launch may be repeated: every
+    kernel here writes its outputs, never adds to them) and the fastest kept. ``configs``: the candidates, or a
+    function that lists them (called only while ``key`` has no choice yet). Returns the configuration run."""
+    cfg = _chosen.get(key)
+    if cfg is None:
+        configs = configs() if callable(configs) else configs
+        cfg = configs[0]
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if len(configs) > 1 and device.type == "cuda" and not interpreting() and not capturing:
+            best, error = None, None
+            for c in configs:
+                try:
+                    ms = triton.testing.do_bench(lambda c=c: launch(c), warmup=5, rep=25, return_mode="median")
+                except triton.runtime.errors.OutOfResources as e:  # the estimate let through what does not fit
+                    error = e
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, c)
+            if best is None:
+                raise error
+            cfg = best[1]
+            _chosen[key] = cfg
+    launch(cfg)
+    return cfg
 
 
 # ----------------------------------------------------------------------------
-# The wrapper: checks, the map, the launch
+# The wrapper: checks, the layout, the launch
 # ----------------------------------------------------------------------------
 
 
-def _check_cu_seqlens(name, cu, device):
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (int32 [B + 1]), got {type(cu).__name__}")
-    if cu.dim() != 1:
-        raise ValueError(f"{name} must be 1-D [B + 1], got shape {tuple(cu.shape)}")
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 (or int64), got {str(cu.dtype).replace('torch.', '')}")
-    if cu.device != device:
-        raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
-    if cu.numel() < 2:
-        raise ValueError(f"{name} must hold at least one sequence: [0, len_0, ...], got {cu.tolist()}")
-
-
-def _check_cu_values(name, cu, total, max_seqlen, total_name, max_name):
-    """The values of one cu_seqlens on the host: 0 first, never decreasing, ending at the packed total."""
-    if cu[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
-    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    for i, n in enumerate(lens):
-        if n < 0:
-            raise ValueError(f"{name} must not decrease: {name}[{i}] = {cu[i]} > {name}[{i + 1}] = {cu[i + 1]}")
-    if cu[-1] != total:
-        raise ValueError(f"{name}[-1] = {cu[-1]} must equal {total_name} = {total} (the packed rows)")
-    longest = max(lens)
-    if max_seqlen < longest:
-        b = lens.index(longest)
-        raise ValueError(f"{max_name} = {max_seqlen} is smaller than sequence {b}'s length {longest}")
-
-
-def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, validate):
-    """The checks of the packed layout (the forward's and the backward's): returns (total_q, H, d, total_k, Hkv, B)."""
+def _check_packed(q, k, v):
+    """q [total_q, H, d], k and v [total_k, Hkv, d] (H a multiple of Hkv, d a head dim the kernels take):
+    returns (total_q, H, d, total_k, Hkv)."""
     _check_qkv(q, k, v, (3, 3, 3))
     total_q, H, d = q.shape
     total_k, Hkv, dk = k.shape
@@ -245,8 +467,50 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     if H == 0 or Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads")
     _check_head_dim(d)
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    return total_q, H, d, total_k, Hkv
+
+
+def _check_cu_tensor(name, cu, device):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (int32 [B + 1]) or, for cu_seqlens_q, a VarlenBatch "
+                        f"(prepare_varlen); got {type(cu).__name__}")
+    if cu.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [B + 1], got shape {tuple(cu.shape)}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 (or int64), got {str(cu.dtype).replace('torch.', '')}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
+    if cu.numel() < 2:
+        raise ValueError(f"{name} must hold at least one sequence: [0, len_0, ...], got {cu.tolist()}")
+
+
+def _check_totals(layout, total_q, total_k):
+    if layout.total_q != total_q:
+        raise ValueError(f"cu_seqlens_q[-1] = {layout.total_q} must equal total_q (q.shape[0]) = {total_q} "
+                         f"(the packed rows)")
+    if layout.total_k != total_k:
+        raise ValueError(f"cu_seqlens_k[-1] = {layout.total_k} must equal total_k (k.shape[0]) = {total_k} "
+                         f"(the packed rows)")
+
+
+def _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate):
+    """The batch a call runs on: the ``VarlenBatch`` passed in; or, from the library's arguments, one prepared here
+    (``validate``: the host copy that checks the values) or a ``_DeviceLayout`` (nothing read back)."""
+    if isinstance(cu_seqlens_q, VarlenBatch):
+        if cu_seqlens_k is not None or max_seqlen_q is not None or max_seqlen_k is not None:
+            raise TypeError("with a VarlenBatch in place of cu_seqlens_q, pass no cu_seqlens_k or max_seqlen: the "
+                            "batch holds them (and causal, sm_scale by keyword)")
+        batch = cu_seqlens_q
+        if batch.device != q.device:
+            raise ValueError(f"the VarlenBatch is on {batch.device} and q on {q.device}: "
+                             f"prepare_varlen(..., device=q.device)")
+        _check_totals(batch, total_q, total_k)
+        return batch
+    _check_cu_tensor("cu_seqlens_q", cu_seqlens_q, q.device)
+    if cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
+        raise TypeError("cu_seqlens_k, max_seqlen_q and max_seqlen_k are the library's arguments beside a "
+                        "cu_seqlens_q tensor (or pass the VarlenBatch of prepare_varlen alone)")
+    _check_cu_tensor("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same B sequences: "
                          f"B = {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
@@ -255,26 +519,30 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
             raise TypeError(f"{name} must be an int, got {type(m).__name__}")
         if m < 0:
             raise ValueError(f"{name} must be >= 0, got {m}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    B = cu_seqlens_q.numel() - 1
-    if validate:  # one copy to the host for both
-        both = torch.cat([cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)]).tolist()
-        _check_cu_values("cu_seqlens_q", both[:B + 1], total_q, max_seqlen_q, "total_q (q.shape[0])", "max_seqlen_q")
-        _check_cu_values("cu_seqlens_k", both[B + 1:], total_k, max_seqlen_k, "total_k (k.shape[0])", "max_seqlen_k")
-    return total_q, H, d, total_k, Hkv, B
+    if validate:  # one copy of both to the host, then the batch's checks
+        layout = prepare_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device=q.device)
+    else:
+        layout = _DeviceLayout(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
+    _check_totals(layout, total_q, total_k)
+    return layout
 
 
-def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                             sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, validate=True,
-                             block_map=None, use_tma=None, config=None):
+def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                             causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             validate=True, block_map=None, use_tma=None, config=None):
     """Attention over packed sequences of different lengths: returns ``(O, lse)``.
 
     q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv (query head h reads KV head
-    h // (H // Hkv)). cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device, 0 then the cumulative
-    lengths: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k, v[cu_seqlens_k[b]:
-    cu_seqlens_k[b + 1]]. Lengths may be 0 and may differ between q and k. max_seqlen_q, max_seqlen_k:
-    at least the longest lengths (the library's arguments; checked, not needed for the grid).
+    h // (H // Hkv)). The layout, either way:
+
+    * ``flash_attn_varlen_triton(q, k, v, batch, causal=...)`` with ``batch = prepare_varlen(...)``, made once
+      per batch: nothing is checked or built on the host here, nothing waits for the GPU;
+    * the library's ``cu_seqlens_q, cu_seqlens_k`` (int32 [B + 1] on q's device, 0 then the cumulative lengths:
+      sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]];
+      lengths may be 0 and may differ between q and k) and ``max_seqlen_q, max_seqlen_k`` (at least the longest
+      lengths). ``validate=True`` prepares a batch in this call (one copy of cu_seqlens to the host, a sync, and
+      the maps built again: the slow path); ``validate=False`` checks nothing and builds lesson 10's map on the
+      device (no sync; wrong values give wrong results).
 
     O: [total_q, H, d] in q's dtype; lse: [H, total_q] float32, natural log. causal: bottom-right per
     sequence, row i of a sequence with lengths (n, nk) sees key j when j <= i + nk - n (the library's
@@ -285,63 +553,76 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     causal sets right = 0); softcap > 0: s = q.k * sm_scale becomes softcap * tanh(s / softcap); alibi_slopes:
     float32 [H] or [num_seqs, H] on q's device, s becomes s - slope[b, h] * |i + diag - j| (not with softcap).
 
-    validate: check the cu_seqlens values (0 first, non-decreasing, ending at total_q / total_k, within
-    max_seqlen): one copy to the host, a sync. False skips it (nothing then waits for the GPU; wrong
-    values give wrong results). block_map: the grid's map, ``varlen_block_map(cu_seqlens_q,
-    varlen_block_m(d), total_q)``, built once and passed to every layer's call of one batch (the
-    layers share cu_seqlens); None builds it here (about 25 small torch ops). ``use_tma`` and
-    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) are for benchmarking; None autotunes.
+    block_map: lesson 10's map, ``varlen_block_map(cu_seqlens_q, varlen_block_m(d), total_q)`` (or
+    ``config["BLOCK_M"]``), launched as given. ``use_tma`` and ``config`` (BLOCK_M, BLOCK_N, num_warps,
+    num_stages) are for benchmarking; None chooses (``tuned_launch``).
     """
-    total_q, H, d, total_k, Hkv, B = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                          max_seqlen_k, causal, validate)
-    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, B, q.device, "num_seqs")
+    total_q, H, d, total_k, Hkv = _check_packed(q, k, v)
+    layout = _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
+    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, layout.num_seqs, q.device, "num_seqs")
+    return _varlen_fwd(q, k, v, layout, mods, sm_scale, block_map, use_tma, config)
+
+
+def _varlen_fwd(q, k, v, layout, mods, sm_scale, block_map=None, use_tma=None, config=None):
+    """The forward's launch on checked inputs (``flash_attn_varlen_triton``'s checks, or the autograd Function's)."""
+    total_q, H, d = q.shape
+    total_k, Hkv = k.shape[0], k.shape[1]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     qk_scale = float(sm_scale) * LOG2E.value  # scores in base-2 units
 
-    o = torch.empty_like(q)  # [total_q, H, d]
+    o = torch.empty_like(q)  # [total_q, H, d]: every row is written (each belongs to one map entry)
     lse = torch.empty((H, total_q), device=q.device, dtype=torch.float32)  # [H, total_q]
     if total_q == 0:
         return o, lse
     if total_k == 0:  # no sequence has a key: every row is empty (and there is nothing to point K at)
         return o.zero_(), lse.fill_(float("-inf"))
-    if config is None and interpreting():
-        config = _INTERPRETER_VARLEN_CONFIG
-    block_m = config["BLOCK_M"] if config is not None else varlen_block_m(d)  # the map is built for it
-    P = (total_q + B * (block_m - 1)) // block_m  # the map's length: an upper bound on the blocks
-    if block_map is None:
-        seq_idx, q_start = varlen_block_map(cu_seqlens_q, block_m, total_q=total_q)  # [P], [P]
-    else:
+    def configs():  # the candidates: listed only on a shape class's first call
+        every = candidates("varlen", SHAPES["varlen"](d), d, q.dtype, q.device)
+        if block_map is None:
+            return every
+        return [c for c in every if c["BLOCK_M"] == block_m] or [dict(every[0], BLOCK_M=block_m)]
+
+    if block_map is not None:
+        block_m = config["BLOCK_M"] if config is not None else varlen_block_m(d)
+        P = (total_q + layout.num_seqs * (block_m - 1)) // block_m
         if not (isinstance(block_map, (tuple, list)) and len(block_map) == 2
                 and all(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.shape == (P,)
                         and t.device == q.device for t in block_map)):
             raise ValueError(f"block_map must be varlen_block_map(cu_seqlens_q, {block_m}, {total_q}): two int32 "
                              f"tensors of shape ({P},) on {q.device}")
-        seq_idx, q_start = (t.contiguous() for t in block_map)
+        given = tuple(t.contiguous() for t in block_map)
+        map_for = lambda block: given  # noqa: E731
+    else:
+        map_for = lambda block: layout.block_map(block, "q", mods.right >= 0)  # noqa: E731
     if use_tma is None:
         use_tma = _use_tma_default(q)
     _check_use_tma(use_tma, q)
     desc_k = desc_v = None
     if use_tma:
-        dummy_block = [16, d]  # replaced by the config's pre_hook
+        dummy_block = [16, d]  # set to [BLOCK_N, d] at each launch
         desc_k = TensorDescriptor.from_tensor(k.view(total_k, Hkv * d), dummy_block)  # [total_k, Hkv*d]
         desc_v = TensorDescriptor.from_tensor(v.view(total_k, Hkv * d), dummy_block)  # [total_k, Hkv*d]
 
-    args = (
-        q, k, v, o, lse, desc_k, desc_v,
-        seq_idx, q_start, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        total_q, H, Hkv, qk_scale,
-        mods.slopes, mods.stride_sb, max(mods.left, 0), max(mods.right, 0), float(sm_scale), mods.cap,
-    )
-    grid = (seq_idx.numel(), H)
+    tail = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+            total_q, H, Hkv, qk_scale,
+            mods.slopes, mods.stride_sb, max(mods.left, 0), max(mods.right, 0), float(sm_scale), mods.cap)
     meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), USE_TMA=bool(use_tma), **mods.meta())
-    if config is not None:
-        cfg = dict(config)
+
+    def launch(cfg):
+        seq_idx, q_start = map_for(cfg["BLOCK_M"])  # [P], [P]
+        if seq_idx.numel() == 0:
+            return
         if use_tma:
             desc_k.block_shape = [cfg["BLOCK_N"], d]
             desc_v.block_shape = [cfg["BLOCK_N"], d]
-        _attn_fwd_varlen[grid](*args, **meta, **cfg)
+        _attn_fwd_varlen[(seq_idx.numel() * H,)](q, k, v, o, lse, desc_k, desc_v, seq_idx, q_start,
+                                                 layout.cu_seqlens_q, layout.cu_seqlens_k, *tail, **meta, **cfg)
+
+    if config is not None:
+        launch(dict(config))
     else:
-        _attn_fwd_varlen_tuned[_d_class(d)][grid](*args, **meta, BLOCK_M=block_m)
+        key = ("varlen", d, q.dtype, bool(use_tma), mods.right >= 0, mods.left >= 0, mods.score_mod, H // Hkv,
+               layout.length_class, block_map is not None, q.device.index)
+        tuned_launch(key, configs, launch, q.device)
     return o, lse

@@ -6,17 +6,24 @@ Public:
   sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> O``: differentiable, the
   FlashAttention library's ``flash_attn_varlen_func`` layout (q ``[total_q, H, d]``, k, v ``[total_k, Hkv, d]``,
   causal, the window and ALiBi bottom-right per sequence); forward =
-  ``helpers.kernels.varlen.flash_attn_varlen_triton``, backward = the kernels below.
+  ``helpers.kernels.varlen.flash_attn_varlen_triton``, backward = the kernels below. The training path:
+  ``batch = prepare_varlen(cu_seqlens)`` once per batch, then ``flash_attention_varlen(q, k, v, batch,
+  causal=True)`` in every layer: neither pass reads anything back from the GPU (a step can be captured in a
+  CUDA graph). With the library's four arguments instead, each call prepares its own batch (the slow path).
 * ``flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-  causal=False, sm_scale=None, *, window_size, softcap, alibi_slopes) -> (dq, dk, dv)``.
+  causal=False, sm_scale=None, *, window_size, softcap, alibi_slopes) -> (dq, dk, dv)``; a ``VarlenBatch`` may
+  stand for the four layout arguments, as in the forward.
 
 The dense backward's kernels on the packed layout (helpers/kernels/backward.py): the preprocess with the packed
-strides; a dK/dV kernel whose program owns BLOCK_N keys of one sequence and one KV head (the map of
-``varlen_block_map`` over cu_seqlens_k) and runs the dense ``_bwd_dkdv_group`` over that KV head's H // Hkv
-query heads with the sequence's lengths (no atomics, deterministic); a dQ kernel whose program owns BLOCK_M
-query rows of one sequence and one query head (the map over cu_seqlens_q) and runs the dense ``_bwd_dq_rows``.
-The maps are built on the device (no host sync); the cu_seqlens are the ones the forward saved (checked there),
-so forward and backward cannot disagree about them.
+strides; a dK/dV kernel whose program owns BLOCK_N keys of one sequence and one KV head (the batch's map of key
+blocks) and runs the dense ``_bwd_dkdv_group`` over that KV head's H // Hkv query heads with the sequence's
+lengths (no atomics, deterministic); a dQ kernel whose program owns BLOCK_M query rows of one sequence and one
+query head (the map of query blocks) and runs the dense ``_bwd_dq_rows``. So every document gets the dense
+backward's tile classes: row (or key) tiles nobody sees are never visited, tiles seen in full run without a mask,
+the diagonal band and the ragged edges with one. Both maps list the heaviest blocks first; the grid is flat over
+(map entry, head), the heads fastest, as in the forward. The tiles of each kernel are chosen per shape class by
+timing its candidates once (``varlen.tuned_launch``); every launch writes its outputs, so timing repeats are
+harmless.
 
 Written for this course.
 """
@@ -27,13 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_mode import interpreting
-from .backward import _PRE_BLOCK_M, _bwd_dkdv_group, _bwd_dq_rows, _bwd_preprocess
-from .common import LOG2E, _device_limits, _shapes, fitting_configs, head_block
+from .backward import _DKDV_SHAPES_256, _DQ_SHAPES_256, _PRE_BLOCK_M, _bwd_dkdv_group, _bwd_dq_rows, _bwd_preprocess
+from .common import LOG2E, SHAPES, head_block, tile_configs
 from .forward import _check_mods
-from .varlen import _check_varlen_inputs, flash_attn_varlen_triton, varlen_block_map
+from .varlen import (VarlenBatch, _check_packed, _d_class, _layout, _varlen_fwd, candidates,  # noqa: F401
+                     prepare_varlen, tuned_launch)  # VarlenBatch, prepare_varlen: re-exported
 
-__all__ = ["flash_attention_varlen", "flash_attn_varlen_bwd_triton", "FlashAttentionVarlenFunction"]
+__all__ = ["flash_attention_varlen", "flash_attn_varlen_bwd_triton", "FlashAttentionVarlenFunction",
+           "varlen_bwd_configs", "prepare_varlen", "VarlenBatch"]  # the last two re-exported from .varlen
 
 
 @triton.jit
@@ -51,12 +59,13 @@ def _bwd_dkdv_varlen(
     WINDOW: tl.constexpr,  # a lower bound: j >= i + Nk - N - left
     SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
 ):
-    # grid = (P, Hkv): program (p, hkv) owns the BLOCK_N keys of entry p of the map, of KV head hkv
+    # grid = (P * Hkv,): program pid owns the BLOCK_N keys of entry pid // Hkv of the map, of KV head pid % Hkv
     pid = tl.program_id(0)
-    off_hkv = tl.program_id(1)
+    entry = pid // Hkv
+    off_hkv = pid % Hkv
     group = H // Hkv
-    seq = tl.load(SEQ_IDX + pid)
-    if seq < 0:  # a spare program: the map's length is an upper bound on the blocks
+    seq = tl.load(SEQ_IDX + entry)
+    if seq < 0:  # a spare program of lesson 10's map (an upper bound on the blocks)
         return
     q_beg = tl.load(CU_Q + seq).to(tl.int32)
     k_beg = tl.load(CU_K + seq).to(tl.int32)
@@ -66,7 +75,7 @@ def _bwd_dkdv_varlen(
     alibi_diag = diag
     diag_lo = diag - left  # the window: i + diag - left <= j <= i + diag + right
     diag = diag + right
-    start_n = tl.load(K_START + pid) - k_beg  # the block's first key within the sequence
+    start_n = tl.load(K_START + entry) - k_beg  # the block's first key within the sequence
 
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] keys, counted from the sequence's first
     offs_d = tl.arange(0, BLOCK_D)  # [D]
@@ -107,11 +116,12 @@ def _bwd_dq_varlen(
     WINDOW: tl.constexpr,  # a lower bound: j >= i + Nk - N - left
     SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
 ):
-    # grid = (P, H): program (p, h) owns the BLOCK_M query rows of entry p of the map, of query head h
+    # grid = (P * H,): program pid owns the BLOCK_M query rows of entry pid // H of the map, of query head pid % H
     pid = tl.program_id(0)
-    off_h = tl.program_id(1)
+    entry = pid // H
+    off_h = pid % H
     off_hkv = off_h // (H // Hkv)  # grouped-query attention
-    seq = tl.load(SEQ_IDX + pid)
+    seq = tl.load(SEQ_IDX + entry)
     if seq < 0:
         return
     q_beg = tl.load(CU_Q + seq).to(tl.int32)
@@ -122,7 +132,7 @@ def _bwd_dq_varlen(
     alibi_diag = diag
     diag_lo = diag - left
     diag = diag + right
-    start_m = (tl.load(Q_START + pid) - q_beg) // BLOCK_M  # block index within the sequence
+    start_m = (tl.load(Q_START + entry) - q_beg) // BLOCK_M  # block index within the sequence
     slope = 0.0
     if SCORE_MOD == 2:
         slope = tl.load(SLOPES + seq * stride_sb + off_h)
@@ -146,96 +156,141 @@ def _bwd_dq_varlen(
     tl.store(DQ + ptrs, dq.to(DQ.dtype.element_ty), mask=io_ok)
 
 
-_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class, the dense backward's H200 winners (bench/NOTES.md,
+# backward v1; bench/results/h200.json): the dK/dV kernel's large tile on long causal rows, its middle and small
+# ones on shorter rows and without a mask (at d = 128 each of them holds K, V, dK, dV in registers and ptxas spills
+# some: the timing decides); the dQ kernel's two, and at d = 128 its 64 x 32 tile, the one that fits the 99 KB of
+# sm_86/89. The first of each that fits is what runs where nothing is timed.
+_VARLEN_BWD_SHAPES = {
+    "dkdv": {64: [(32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+             128: [(128, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)], 256: _DKDV_SHAPES_256},
+    "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
+           256: _DQ_SHAPES_256},
+}
+SHAPES.update(varlen_dkdv=lambda d: tile_configs(_VARLEN_BWD_SHAPES["dkdv"][_d_class(d)]),
+              varlen_dq=lambda d: tile_configs(_VARLEN_BWD_SHAPES["dq"][_d_class(d)]))
 
 
 def varlen_bwd_configs(d, q):
-    """(dK/dV config, dQ config) for head dim d on q's device: the first of the dense backward's tile sets that fits
-    its shared memory (one fixed configuration each, as the maps are built for their blocks; not autotuned)."""
-    if interpreting() or q.device.type != "cuda":
-        return _INTERPRETER_CONFIG, _INTERPRETER_CONFIG
-    cap, smem = _device_limits(q.device)
-    return tuple(fitting_configs(kind, _shapes(kind, d), d, q.dtype, cap, smem)[0] for kind in ("dkdv", "dq"))
+    """(dK/dV candidates, dQ candidates) for head dim d on q's device: the configurations of each kernel's set that
+    fit its shared memory (one fixed small tile under the interpreter). The launcher times them on first use."""
+    return tuple(candidates(kind, SHAPES[f"varlen_{kind}"](d), d, q.dtype, q.device) for kind in ("dkdv", "dq"))
 
 
-def flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                 validate=True, config=None):
+def flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
+                                 max_seqlen_k=None, causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0,
+                                 alibi_slopes=None, validate=True, config=None):
     """Gradients ``(dq, dk, dv)`` of O = flash_attn_varlen_triton(q, k, v, ...) for the upstream gradient ``do``.
 
     q, o, do: [total_q, H, d]; k, v: [total_k, Hkv, d]; lse: [H, total_q] float32, the forward's second output
-    (-inf on rows that saw no key: their gradients are 0). cu_seqlens, max_seqlen, causal (bottom-right per
-    sequence), sm_scale, window_size, softcap, alibi_slopes: exactly the forward's. ``validate``: check the
-    cu_seqlens values (a host sync); ``flash_attention_varlen`` passes False, its forward checked them.
-    ``config``: {"dkdv": {...}, "dq": {...}} (BLOCK_M, BLOCK_N, num_warps, num_stages) fixes the tiles.
+    (-inf on rows that saw no key: their gradients are 0). The layout: a ``VarlenBatch`` (``prepare_varlen``) in
+    place of cu_seqlens_q, nothing else checked or built on the host; or the library's cu_seqlens and max_seqlen,
+    exactly the forward's (``validate``: prepare a batch here, one host copy; False: nothing read back, lesson 10's
+    maps built on the device). causal (bottom-right per sequence), sm_scale, window_size, softcap, alibi_slopes:
+    the forward's. ``config``: {"dkdv": {...}, "dq": {...}} (BLOCK_M, BLOCK_N, num_warps, num_stages) fixes the
+    tiles; None chooses them (``varlen.tuned_launch``).
     """
-    total_q, H, d, total_k, Hkv, B = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                          max_seqlen_k, causal, validate)
-    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, B, q.device, "num_seqs")
+    total_q, H, d, total_k, Hkv = _check_packed(q, k, v)
+    layout = _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
+    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, layout.num_seqs, q.device, "num_seqs")
     for name, x in (("o", o), ("do", do)):
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(q.shape) or x.device != q.device:
             raise ValueError(f"{name} must be a tensor of q's shape {tuple(q.shape)} on {q.device}")
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (H, total_q) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be a float32 tensor of shape {(H, total_q)} (the forward's second output)")
+    return _varlen_bwd(do, q, k, v, o, lse, layout, mods, sm_scale, config)
+
+
+def _varlen_bwd(do, q, k, v, o, lse, layout, mods, sm_scale, config=None):
+    """The backward's launches on checked inputs (the autograd Function's backward comes here directly: its
+    tensors are the forward's, checked there)."""
+    total_q, H, d = q.shape
+    total_k, Hkv = k.shape[0], k.shape[1]
     do = do.to(q.dtype).contiguous()
     o, lse = o.contiguous(), lse.contiguous()
     sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
     qk_scale = sm_scale * LOG2E.value
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)  # zeros: empty sequences stay 0
     if total_q == 0 or total_k == 0:  # no row sees a key: every gradient is 0
-        return dq, dk, dv
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # every row of dq and every key of dk, dv belongs to one block of its map, whose program writes it (0 where
+    # nothing is seen), so nothing needs zeroing first
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     delta = torch.empty((H, total_q), device=q.device, dtype=torch.float32)  # [H, total_q] rowsum(dO * O)
     lse2 = torch.empty_like(delta)  # [H, total_q] lse in base 2, +inf on empty rows
     # the dense preprocess with the packed strides: "head" h starts at column h * d, rows are H * d apart
     _bwd_preprocess[(triton.cdiv(total_q, _PRE_BLOCK_M), H)](o, do, lse, delta, lse2, total_q, d, H * d, HEAD_DIM=d,
                                                              BLOCK_M=_PRE_BLOCK_M, BLOCK_D=head_block(d))
-    cfg_kv, cfg_q = (config["dkdv"], config["dq"]) if config is not None else varlen_bwd_configs(d, q)
-    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    causal_map = mods.right >= 0
     meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), **mods.meta())
     mod_args = (mods.slopes, mods.stride_sb, max(mods.left, 0), max(mods.right, 0), mods.cap)
+    cu_q, cu_k = layout.cu_seqlens_q, layout.cu_seqlens_k
 
-    seq_k, k_start = varlen_block_map(cu_k, cfg_kv["BLOCK_N"], total_q=total_k)  # [P_k], [P_k]: key blocks
-    _bwd_dkdv_varlen[(seq_k.numel(), Hkv)](q, k, v, do, lse2, delta, dk, dv, seq_k, k_start, cu_q, cu_k,
-                                           total_q, H, Hkv, qk_scale, sm_scale, *mod_args, **meta, **cfg_kv)
-    seq_q, q_start = varlen_block_map(cu_q, cfg_q["BLOCK_M"], total_q=total_q)  # [P_q], [P_q]: query blocks
-    _bwd_dq_varlen[(seq_q.numel(), H)](q, k, v, do, lse2, delta, dq, seq_q, q_start, cu_q, cu_k,
-                                       total_q, H, Hkv, qk_scale, sm_scale, *mod_args, **meta, **cfg_q)
+    def launch_dkdv(cfg):
+        seq_k, k_start = layout.block_map(cfg["BLOCK_N"], "k", causal_map)  # [P_k], [P_k]: key blocks
+        if seq_k.numel():
+            _bwd_dkdv_varlen[(seq_k.numel() * Hkv,)](q, k, v, do, lse2, delta, dk, dv, seq_k, k_start, cu_q, cu_k,
+                                                     total_q, H, Hkv, qk_scale, sm_scale, *mod_args, **meta, **cfg)
+
+    def launch_dq(cfg):
+        seq_q, q_start = layout.block_map(cfg["BLOCK_M"], "q", causal_map)  # [P_q], [P_q]: query blocks
+        if seq_q.numel():
+            _bwd_dq_varlen[(seq_q.numel() * H,)](q, k, v, do, lse2, delta, dq, seq_q, q_start, cu_q, cu_k,
+                                                 total_q, H, Hkv, qk_scale, sm_scale, *mod_args, **meta, **cfg)
+
+    shape_class = (d, q.dtype, mods.right >= 0, mods.left >= 0, mods.score_mod, H // Hkv, layout.length_class,
+                   q.device.index)
+    if config is not None:
+        launch_dkdv(dict(config["dkdv"]))
+        launch_dq(dict(config["dq"]))
+    else:
+        tuned_launch(("varlen dkdv",) + shape_class, lambda: varlen_bwd_configs(d, q)[0], launch_dkdv, q.device)
+        tuned_launch(("varlen dq",) + shape_class, lambda: varlen_bwd_configs(d, q)[1], launch_dq, q.device)
     return dq, dk, dv
 
 
 class FlashAttentionVarlenFunction(torch.autograd.Function):
-    """O = flash_attn_varlen_func(q, k, v, ...) with the course's Triton forward and backward."""
+    """O = flash_attn_varlen_func(q, k, v, ...) with the course's Triton forward and backward, on a ``VarlenBatch``
+    (the backward uses exactly the batch the forward ran on)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sm_scale,
-                window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
-        mods = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-        o, lse = flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          causal=causal, sm_scale=sm_scale, **mods)
-        # the cu_seqlens travel with the saved tensors: the backward uses exactly these (an in-place change to them
-        # before backward is an autograd error, not a silent mismatch)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.args = (max_seqlen_q, max_seqlen_k, causal, sm_scale, mods)
+    def forward(ctx, q, k, v, batch, causal, sm_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+        total_q, H, _, total_k, _ = _check_packed(q, k, v)
+        _layout(q, total_q, total_k, batch, None, None, None, False)  # the batch fits q, k, v
+        mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, batch.num_seqs, q.device, "num_seqs")
+        o, lse = _varlen_fwd(q, k, v, batch, mods, sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.batch = batch
+        ctx.args = (mods, sm_scale)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, causal, sm_scale, mods = ctx.args
-        dq, dk, dv = flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, sm_scale,
-                                                  validate=False, **mods)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        q, k, v, o, lse = ctx.saved_tensors
+        mods, sm_scale = ctx.args
+        dq, dk, dv = _varlen_bwd(do, q, k, v, o, lse, ctx.batch, mods, sm_scale)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                           sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                           causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Differentiable attention over packed sequences (the library's ``flash_attn_varlen_func``): O [total_q, H, d].
 
-    q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv; cu_seqlens_q, cu_seqlens_k: int32 [B + 1]
-    (0, then the cumulative lengths; checked once, in the forward); causal: bottom-right per sequence. d a
-    multiple of 8 up to 256. Gradients flow to q, k and v. ``window_size``, ``softcap``, ``alibi_slopes`` ([H] or
-    [num_seqs, H]): the library's, bottom-right per sequence (see ``flash_attn_varlen_triton``).
+    q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv; d a multiple of 8 up to 256. The layout:
+
+    * ``flash_attention_varlen(q, k, v, batch, causal=True)`` with ``batch = prepare_varlen(cu_seqlens)`` made once
+      per batch and passed to every layer (the training path: no host sync in the forward or the backward);
+    * or the library's ``cu_seqlens_q, cu_seqlens_k`` (int32 [B + 1], 0 then the cumulative lengths) and
+      ``max_seqlen_q, max_seqlen_k``: checked and prepared in this call (one copy of cu_seqlens to the host, the
+      maps built again: the slow path, for a single call).
+
+    causal: bottom-right per sequence. Gradients flow to q, k and v. ``window_size``, ``softcap``,
+    ``alibi_slopes`` ([H] or [num_seqs, H]): the library's, bottom-right per sequence (see
+    ``flash_attn_varlen_triton``).
     """
-    return FlashAttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              causal, sm_scale, window_size, softcap, alibi_slopes)
+    if isinstance(cu_seqlens_q, VarlenBatch) and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None:
+        batch = cu_seqlens_q  # the forward checks q, k, v against it
+    else:
+        total_q, _, _, total_k, _ = _check_packed(q, k, v)
+        batch = _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, True)
+    return FlashAttentionVarlenFunction.apply(q, k, v, batch, causal, sm_scale, window_size, softcap, alibi_slopes)

@@ -1,0 +1,439 @@
+"""Packed causal documents, the way LLMs are pre-trained: the prepared batch (helpers/kernels/varlen.py's
+``prepare_varlen``), its program maps, and the forward and backward on it.
+
+* The batch checks cu_seqlens once and keeps its own copies; its maps cover every block exactly once, heaviest
+  first by the work the kernels do.
+* With a batch, the forward and the backward read no value of cu_seqlens (or of the maps) on the host: every
+  value-reading method of torch.Tensor is watched during the calls (Triton's interpreter, which runs the kernels
+  on the CPU here, is allowed to read them: that is the kernel reading its arguments).
+* Correctness against float64 per document, forward and gradients, on harsh mixes: empty documents, documents of
+  length 1, one document longer than the rest together, lengths that are no multiple of the block, GQA and MQA,
+  causal and not, and tiles other than the default.
+* The tile choice (``tuned_launch``): the fastest candidate kept per key, nothing timed or kept during a capture.
+* On a GPU only: a training step's attention (forward and backward over several layers) captured in a CUDA graph
+  and replayed, equal to the eager step; and the eager step run under ``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+import math
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernel_env import DEVICE, DTYPES, ON_GPU, TOL  # noqa: E402  (sets TRITON_INTERPRET first)
+from helpers import reference  # noqa: E402
+from helpers.kernels import varlen as kv  # noqa: E402
+from helpers.kernels.varlen import VarlenBatch, flash_attn_varlen_triton, prepare_varlen  # noqa: E402
+from helpers.kernels.varlen_backward import (flash_attention_varlen, flash_attn_varlen_bwd_triton,  # noqa: E402
+                                             varlen_bwd_configs)
+
+
+def _cu(lengths, device=DEVICE):
+    return torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0).to(device, torch.int32)  # [B + 1]
+
+
+def _inputs(lens_q, lens_k, H, Hkv, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(sum(lens_q), H, d, generator=g) * 2).to(DEVICE, dtype)  # [total_q, H, d]
+    k = (torch.randn(sum(lens_k), Hkv, d, generator=g) * 2).to(DEVICE, dtype)  # [total_k, Hkv, d]
+    v = torch.randn(sum(lens_k), Hkv, d, generator=g).to(DEVICE, dtype)  # [total_k, Hkv, d]
+    do = torch.randn(sum(lens_q), H, d, generator=g).to(DEVICE, dtype)  # [total_q, H, d]
+    return q, k, v, do
+
+
+def _reference(q, k, v, do, lens_q, lens_k, causal):
+    """float64 O [total_q, H, d], lse [H, total_q] and (dq, dk, dv), sequence by sequence (autograd through the
+    masked softmax of helpers.reference, K and V repeated to the query heads, their gradients summed back)."""
+    H, Hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((H, q.shape[0]), float("-inf"), dtype=torch.float64)
+    grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    cq, ck = [0], [0]
+    for n, nk in zip(lens_q, lens_k):
+        cq.append(cq[-1] + n)
+        ck.append(ck[-1] + nk)
+    for b, (n, nk) in enumerate(zip(lens_q, lens_k)):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if n == 0 or nk == 0:
+            continue  # nothing seen: O = 0, lse = -inf, gradients 0
+        qq, dd = (t[rq].double().cpu().transpose(0, 1)[None] for t in (q, do))  # [1, H, n, d]
+        kk, vv = (t[rk].double().cpu().transpose(0, 1)[None].repeat_interleave(H // Hkv, 1) for t in (k, v))
+        mask = reference.causal_mask(n, nk, "bottom_right") if causal else None  # [n, nk]
+        ob, lb, dq, dk, dv = reference.attention_grads(qq, kk, vv, dd, mask=mask, scale=1.0 / math.sqrt(d))
+        o[rq] = ob[0].transpose(0, 1)
+        lse[:, rq] = lb[0]
+        grads[0][rq] = dq[0].transpose(0, 1)
+        grads[1][rk] = dk[0].view(Hkv, H // Hkv, nk, d).sum(1).transpose(0, 1)
+        grads[2][rk] = dv[0].view(Hkv, H // Hkv, nk, d).sum(1).transpose(0, 1)
+    return o, lse, grads
+
+
+def _close(name, got, want, tol):
+    got = got.double().cpu()
+    assert not torch.isnan(got).any(), f"{name}: NaN at {torch.isnan(got).nonzero()[0].tolist()}"
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), f"{name}: -inf exactly where the reference has it"
+    err = (got[finite] - want[finite]).abs()
+    if err.numel() and err.max() > tol:
+        i = int(err.argmax())
+        pytest.fail(f"{name}: max err {err.max():.3g} > {tol} (ref {want[finite][i]:.5g}, got {got[finite][i]:.5g})")
+
+
+# ------------------------------------------------------------------ the batch
+
+
+def test_prepare_varlen_checks_once_and_keeps_its_own_copy():
+    cu = _cu([3, 0, 5])
+    batch = prepare_varlen(cu)
+    assert isinstance(batch, VarlenBatch) and batch.num_seqs == 3 and batch.total_q == batch.total_k == 8
+    assert batch.max_seqlen_q == batch.max_seqlen_k == 5 and batch.device == cu.device
+    assert batch.cu_seqlens_q.dtype == torch.int32 and batch.cu_seqlens_q.tolist() == [0, 3, 3, 8]
+    cu[1] = 1  # the caller's tensor changes later: the batch does not
+    assert batch.cu_seqlens_q.tolist() == batch.cu_seqlens_k.tolist() == [0, 3, 3, 8]
+    assert prepare_varlen([0, 2, 2], [0, 4, 5], device=DEVICE).lengths_k.tolist() == [4, 1]  # lists: no host copy
+    assert prepare_varlen(_cu([1000] + [1] * 20)).length_class == round(math.log2((1000 ** 3 + 20) / (1000 ** 2 + 20)))
+    assert prepare_varlen(_cu([1] * 9)).length_class == 6 and prepare_varlen(_cu([9000, 5])).length_class == 10
+    bad = [
+        (ValueError, "must start at 0", dict(cu_seqlens_q=[1, 3])),
+        (ValueError, "must not decrease", dict(cu_seqlens_q=[0, 4, 3])),
+        (ValueError, "same B sequences", dict(cu_seqlens_q=[0, 4], cu_seqlens_k=[0, 2, 4])),
+        (ValueError, "max_seqlen_q = 3 is smaller than sequence 1's length 4", dict(cu_seqlens_q=[0, 1, 5],
+                                                                                   max_seqlen_q=3)),
+        (TypeError, "max_seqlen_k must be an int", dict(cu_seqlens_q=[0, 1], max_seqlen_k=1.0)),
+        (TypeError, "int32", dict(cu_seqlens_q=torch.tensor([0.0, 1.0]))),
+        (ValueError, "1-D", dict(cu_seqlens_q=torch.zeros(2, 2, dtype=torch.int32))),
+        (ValueError, "at least one sequence", dict(cu_seqlens_q=[0])),
+        (TypeError, "list of ints", dict(cu_seqlens_q="0,1")),
+    ]
+    for exc, msg, kw in bad:
+        with pytest.raises(exc, match=msg):
+            prepare_varlen(**kw)
+
+
+@pytest.mark.parametrize("lens_q,lens_k", [([0, 1, 16, 17, 40, 0, 33], None), ([130, 5, 0, 64, 1], [90, 7, 3, 64, 0]),
+                                           ([0, 0], None)])
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("kind", ["q", "k"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_work_maps_cover_every_block_once_heaviest_first(lens_q, lens_k, block, kind, causal):
+    lens_k = lens_k or lens_q
+    batch = prepare_varlen(_cu(lens_q), _cu(lens_k))
+    seq, start = (t.cpu().tolist() for t in batch.block_map(block, kind, causal))
+    lens = lens_q if kind == "q" else lens_k
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    assert len(seq) == sum(-(-n // block) for n in lens), "one entry per block with rows: no spares"
+    hits = [0] * cu[-1]
+    work = []
+    for b, s in zip(seq, start):
+        assert cu[b] <= s < cu[b + 1] and (s - cu[b]) % block == 0
+        for i in range(s, min(s + block, cu[b + 1])):
+            hits[i] += 1
+        n, nk, j = lens_q[b], lens_k[b], (s - cu[b]) // block
+        if kind == "q":  # keys [0, band_hi) visited by query block j
+            rows = range(j * block, j * block + block)
+            work.append(max((sum(1 for c in range(nk) if c <= i + nk - n) for i in rows), default=0) if causal else nk)
+        else:  # rows that see some key of key block j
+            keys = range(j * block, min((j + 1) * block, nk))
+            work.append(sum(1 for i in range(n) if any(c <= i + nk - n for c in keys)) if causal else n)
+    assert hits == [1] * cu[-1], "every packed row (or key) belongs to exactly one entry"
+    assert work == sorted(work, reverse=True), f"heaviest first: {work}"
+    assert batch.block_map(block, kind, causal)[0] is batch.block_map(block, kind, causal)[0], "built once, cached"
+
+
+# ------------------------------------------------------------------ nothing read on the host
+
+
+_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__index__", "__float__", "__iter__", "__array__",
+          "__repr__", "__format__")
+
+
+class _Watch:
+    """Raise when any of ``tensors`` has a value read through a torch.Tensor method called from outside Triton."""
+
+    def __init__(self, monkeypatch, tensors):
+        self.ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        self.reads = []
+        for name in _READS:
+            orig = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, orig))
+
+    def _wrap(self, name, orig):
+        def method(t, *a, **kw):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.ptrs
+                    and not caller.startswith("triton")):
+                self.reads.append(f"{name} from {caller}")
+                raise AssertionError(f"a value of cu_seqlens or a map was read on the host: Tensor.{name} from "
+                                     f"{caller}")
+            return orig(t, *a, **kw)
+        return method
+
+
+def test_forward_and_backward_read_no_value_of_cu_seqlens_on_the_host(monkeypatch):
+    lens = [7, 0, 1, 40, 3]
+    q, k, v, do = _inputs(lens, lens, 4, 2, 16, DTYPES[0], seed=1)
+    cu = _cu(lens)
+    batch = prepare_varlen(cu)
+    for kind in ("q", "k"):  # the maps the calls use are built where the batch is made (or by a warm-up step)
+        batch.block_map(kv._INTERPRETER_VARLEN_CONFIG["BLOCK_M"], kind, True)
+    watched = [cu, batch.cu_seqlens_q, batch.cu_seqlens_k] + [t for m in batch._maps.values() for t in m]
+    watch = _Watch(monkeypatch, watched)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    o = flash_attention_varlen(qg, kg, vg, batch, causal=True)
+    o.backward(do)
+    o2, lse2 = flash_attn_varlen_triton(q, k, v, batch, causal=True)
+    flash_attn_varlen_bwd_triton(do, q, k, v, o2, lse2, batch, causal=True)
+    flash_attn_varlen_triton(q, k, v, cu, cu, 40, 40, causal=True, validate=False)  # the library's form, unchecked
+    assert watch.reads == []
+    with pytest.raises(AssertionError, match="read on the host: Tensor.tolist"):  # the watch sees a read
+        flash_attention_varlen(q, k, v, cu, cu, 40, 40, causal=True)  # the library's form, checked: the slow path
+    monkeypatch.undo()
+    assert torch.equal(o.detach(), o2)
+
+
+def test_the_batch_path_is_the_library_path():
+    """A batch, the library's checked arguments and the unchecked ones (lesson 10's map, built on the device) give
+    the same O and lse: the maps' order changes who runs first, not what anyone computes."""
+    lens_q, lens_k = [9, 1, 0, 30, 4], [12, 1, 5, 30, 0]
+    q, k, v, do = _inputs(lens_q, lens_k, 4, 1, 32, DTYPES[0], seed=2)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    batch = prepare_varlen(cu_q, cu_k)
+    # one tile for all (the paths' shape classes differ: on a GPU each could time another tile)
+    fwd = kv.candidates("varlen", kv.SHAPES["varlen"](32), 32, q.dtype, q.device)[0]
+    bwd = dict(zip(("dkdv", "dq"), (c[0] for c in varlen_bwd_configs(32, q))))
+    a = flash_attn_varlen_triton(q, k, v, batch, causal=True, config=fwd)
+    b = flash_attn_varlen_triton(q, k, v, cu_q, cu_k, 30, 30, causal=True, config=fwd)
+    c = flash_attn_varlen_triton(q, k, v, cu_q, cu_k, 30, 30, causal=True, validate=False, config=fwd)
+    for other in (b, c):
+        assert torch.equal(a[0], other[0]) and torch.equal(a[1], other[1])
+    g_a = flash_attn_varlen_bwd_triton(do, q, k, v, *a, batch, causal=True, config=bwd)
+    g_c = flash_attn_varlen_bwd_triton(do, q, k, v, *a, cu_q, cu_k, 30, 30, causal=True, validate=False, config=bwd)
+    assert all(torch.equal(x, y) for x, y in zip(g_a, g_c))
+
+
+def test_batch_path_bad_inputs():
+    lens = [3, 5]
+    q, k, v, _ = _inputs(lens, lens, 2, 1, 16, DTYPES[0], seed=0)
+    batch = prepare_varlen(_cu(lens))
+    with pytest.raises(TypeError, match="pass no cu_seqlens_k or max_seqlen"):
+        flash_attn_varlen_triton(q, k, v, batch, _cu(lens), 5, 5)
+    with pytest.raises(TypeError, match="pass no cu_seqlens_k or max_seqlen"):
+        flash_attention_varlen(q, k, v, batch, True)  # causal must be a keyword after a batch
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 8 must equal total_q \(q.shape\[0\]\) = 7"):
+        flash_attention_varlen(q[:7].contiguous(), k, v, batch, causal=True)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\] = 8 must equal total_k"):
+        flash_attention_varlen(q, k[:6].contiguous(), v[:6].contiguous(), batch, causal=True)
+    with pytest.raises(ValueError, match="the VarlenBatch is on meta"):
+        flash_attention_varlen(q, k, v, prepare_varlen([0, 3, 8], device="meta"), causal=True)
+    with pytest.raises(TypeError, match="cu_seqlens_k, max_seqlen_q and max_seqlen_k are the library's"):
+        flash_attention_varlen(q, k, v, _cu(lens), causal=True)
+    with pytest.raises(ValueError, match=r"alibi_slopes must be \[H\] = \[2\] or \[num_seqs, H\] = \[2, 2\]"):
+        flash_attention_varlen(q, k, v, batch, causal=True, alibi_slopes=torch.ones(3, 2).to(DEVICE))
+
+
+# ------------------------------------------------------------------ correctness on harsh mixes
+
+
+MIXES = {
+    # lens_q, lens_k (None: the same), H, Hkv, d
+    "empty and length-1 documents, GQA 4/2": ([5, 0, 1, 0, 1, 23, 1, 17], None, 4, 2, 16),
+    "one document longer than the rest together, MQA 4/1": ([3, 70, 1, 9, 0, 2, 16, 5], None, 4, 1, 32),
+    "ragged lengths, none a multiple of 16, MHA": ([15, 17, 31, 33, 1], None, 2, 2, 16),
+    "n != nk both ways (rows that see nothing), GQA 4/2": ([5, 0, 1, 33, 12, 3], [9, 3, 0, 40, 4, 3], 4, 2, 16),
+    "a batch of one document": ([57], None, 2, 1, 16),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_packed_documents_match_float64(mix, causal):
+    """O, lse and dq, dk, dv through flash_attention_varlen on a prepared batch, every document against float64
+    autograd on that document alone."""
+    lens_q, lens_k, H, Hkv, d = MIXES[mix]
+    lens_k = lens_k or lens_q
+    dtype = DTYPES[0]
+    q, k, v, do = _inputs(lens_q, lens_k, H, Hkv, d, dtype, seed=len(mix))
+    batch = prepare_varlen(_cu(lens_q), _cu(lens_k))
+    o_ref, lse_ref, grads_ref = _reference(q, k, v, do, lens_q, lens_k, causal)
+    o, lse = flash_attn_varlen_triton(q, k, v, batch, causal=causal)
+    _close("O", o, o_ref, TOL[dtype])
+    _close("lse", lse, lse_ref, 5 * TOL[dtype])
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    flash_attention_varlen(qg, kg, vg, batch, causal=causal).backward(do)
+    for name, got, want in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), grads_ref):
+        scale = want.abs().max().item() + 1e-6
+        _close(name, got / scale, want / scale, 3 * TOL[dtype])
+
+
+@pytest.mark.skipif(ON_GPU, reason="fixed interpreter tiles; on a GPU the tuned tiles run in the test above")
+def test_other_tiles_on_a_batch():
+    """Tiles the interpreter does not default to, with BLOCK_M != BLOCK_N: each kernel's map is the batch's for its
+    own block (the forward's and dQ's by BLOCK_M, dK/dV's by BLOCK_N), so they differ between the kernels."""
+    lens = [40, 1, 0, 23, 70, 2]
+    q, k, v, do = _inputs(lens, lens, 4, 2, 16, DTYPES[0], seed=7)
+    batch = prepare_varlen(_cu(lens))
+    o_ref, _, grads_ref = _reference(q, k, v, do, lens, lens, True)
+    fwd = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    bwd = {"dkdv": dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1),
+           "dq": dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)}
+    o, lse = flash_attn_varlen_triton(q, k, v, batch, causal=True, config=fwd)
+    _close("O", o, o_ref, TOL[DTYPES[0]])
+    grads = flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, batch, causal=True, config=bwd)
+    assert {key[:2] for key in batch._maps} == {(32, "q"), (32, "k")}
+    for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
+        scale = want.abs().max().item() + 1e-6
+        _close(name, got / scale, want / scale, 3 * TOL[DTYPES[0]])
+
+
+# ------------------------------------------------------------------ the tile choice
+
+
+def test_tuned_launch_keeps_the_fastest_and_times_nothing_in_a_capture(monkeypatch):
+    times = {16: 3.0, 32: 1.0, 64: 2.0}
+    launched = []
+    monkeypatch.setattr(kv, "interpreting", lambda: False)
+    monkeypatch.setattr(kv, "_chosen", {})
+    monkeypatch.setattr(kv.triton.testing, "do_bench", lambda fn, **kw: (fn(), times[launched[-1]["BLOCK_N"]])[1])
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    gpu = SimpleNamespace(type="cuda", index=0)
+    configs = [dict(BLOCK_N=bn) for bn in (16, 32, 64)]
+    assert kv.tuned_launch("key", configs, launched.append, gpu) == dict(BLOCK_N=32)
+    assert launched[-1] == dict(BLOCK_N=32) and len(launched) == 4  # three timed, then the chosen one
+    assert kv.tuned_launch("key", configs, launched.append, gpu) == dict(BLOCK_N=32) and len(launched) == 5
+    capturing[0] = True
+    assert kv.tuned_launch("other", configs, launched.append, gpu) == dict(BLOCK_N=16)  # the first, not timed
+    assert len(launched) == 6 and "other" not in kv.chosen_configs()
+
+    def too_big(cfg):
+        if cfg["BLOCK_N"] == 64:
+            raise kv.triton.runtime.errors.OutOfResources(1, 0, "shared memory")
+        launched.append(cfg)
+    capturing[0] = False
+    times[16] = 0.5
+    assert kv.tuned_launch("third", configs, too_big, gpu) == dict(BLOCK_N=16)
+
+
+def test_no_map_is_built_during_a_capture(monkeypatch):
+    """Building a map copies host values to the device: not inside a CUDA graph (the copy would replay from a host
+    buffer long gone). The batch says what to do instead."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="outside a CUDA graph capture: run one forward and backward"):
+        kv._to_device([[0, 1]], torch.device("cuda", 0))
+
+
+# ------------------------------------------------------------------ on a GPU: a step in a CUDA graph, no sync
+
+
+def _step_inputs(layers=3):
+    torch.manual_seed(0)
+    lens = [9, 4291, 1, 0, 700, 3000, 256, 129, 1]
+    H, Hkv, d = 8, 2, 128
+    T = sum(lens)
+    x = [(torch.randn(T, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True),
+          torch.randn(T, Hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True),
+          torch.randn(T, Hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)) for _ in range(layers)]
+    do = torch.randn(T, H, d, device="cuda", dtype=torch.bfloat16)
+    return lens, x, do
+
+
+def _attention_step(batch, x, do):
+    """Each layer's attention, forward and backward, as a training step runs them (one batch for all layers)."""
+    outs = [flash_attention_varlen(q, k, v, batch, causal=True) for q, k, v in x]
+    torch.autograd.backward(outs, [do] * len(outs))
+    return outs
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
+def test_a_training_steps_attention_captured_in_a_cuda_graph():
+    lens, x, do = _step_inputs()
+    batch = prepare_varlen([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")  # from the host: no sync
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles, chooses the tiles, builds the maps
+        for _ in range(2):
+            for t in (t for qkv in x for t in qkv):
+                t.grad = None
+            eager = [o.detach().clone() for o in _attention_step(batch, x, do)]
+    torch.cuda.current_stream().wait_stream(side)
+    eager_grads = [t.grad.clone() for qkv in x for t in qkv]
+    for t in (t for qkv in x for t in qkv):
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = _attention_step(batch, x, do)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static, eager):
+        assert torch.equal(a, b), "the replayed forward is the eager one"
+    for g, e in zip((t.grad for qkv in x for t in qkv), eager_grads):
+        assert torch.equal(g, e), "the replayed backward is the eager one (deterministic: no atomics)"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="sync debug mode needs a CUDA GPU")
+def test_the_step_waits_for_nothing_on_the_gpu():
+    lens, x, do = _step_inputs(layers=2)
+    batch = prepare_varlen([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+    _attention_step(batch, x, do)  # first: compiles and times the tiles (syncs), builds the maps
+    torch.cuda.synchronize()
+    for t in (t for qkv in x for t in qkv):
+        t.grad = None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _attention_step(batch, x, do)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------ the benchmark's own run (no GPU: --smoke)
+
+
+PACKED_KEYS = {"mix", "T", "d", "H", "Hkv", "causal", "fwd_course_ms", "fwd_flex_ms", "bwd_course_ms", "bwd_flex_ms",
+               "pass", "fwd_sdpa_ms", "bwd_sdpa_ms", "lengths"}
+
+
+@pytest.mark.skipif(ON_GPU, reason="--smoke is the CPU interpreter run")
+def test_bench_packed_documents_smoke_writes_its_section(tmp_path):
+    """bench/bench_varlen.py --smoke --packed: every path of the GPU run (the batch, FlexAttention's document mask,
+    SDPA's dense mask, the float64 checks, the timing, the record after every row), on tiny sizes."""
+    import importlib.util
+    import json
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_varlen", os.path.join(root, "bench", "bench_varlen.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "gpu.json"
+    out.write_text(json.dumps({"varlen": [{"kept": 1}]}))
+    rows = bench.main(["--smoke", "--packed", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["varlen"] == [{"kept": 1}], "the serving rows are left as they were"
+    assert data["packed_documents"] == rows and len(rows) == len(bench.packed_cases(False, True))
+    meta = data["packed_documents_meta"]
+    assert len(meta["details"]) == len(rows) and {"gpu", "torch", "triton", "date", "summary"} <= set(meta)
+    for row, detail in zip(rows, meta["details"]):
+        assert set(row) == PACKED_KEYS and row["pass"] and detail["pass"], (row, detail)
+        assert all(row[key] > 0 for key in ("fwd_course_ms", "fwd_flex_ms", "bwd_course_ms", "fwd_sdpa_ms"))
+        assert detail["flex_vs_course_max_diff"] < 1e-4  # FlexAttention's document mask is the same function
+    assert {r["causal"] for r in rows} == {True, False} and {r["Hkv"] < r["H"] for r in rows} == {True, False}
+
+
+def test_bench_document_mixes_sum_to_the_row():
+    import importlib.util
+    import os
+    import random
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_varlen", os.path.join(root, "bench", "bench_varlen.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for mix, T, d, Hkv, causal in bench.packed_cases(False, False):
+        lens = bench.doc_lengths(mix, T, random.Random(f"{mix}-{T}"))
+        assert sum(lens) == T and min(lens) >= 1, mix
+        if mix == "one longer than the rest":
+            assert max(lens) > T - max(lens)
+        if mix == "16 random":
+            assert len(lens) == 16
