@@ -11,10 +11,8 @@ import linecache
 import os
 from pathlib import Path
 
-import nbformat
 import pytest
 
-from helpers.generate import stub_source
 
 ROOT = Path(__file__).resolve().parent.parent
 _KEEP = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
@@ -29,11 +27,13 @@ def _is_constant_assign(node) -> bool:
 
 def notebook_namespace(name: str, learner: bool = False) -> dict:
     """Definitions of ``solutions/<name>.ipynb`` (or its generated learner version)."""
+    import nbformat  # here, not at the top: the GPU machine runs the kernel tests without Jupyter's packages
     nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
     ns: dict = {"__name__": f"notebook_{name}"}
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or "solution-only" in cell.metadata.get("tags", []) and learner:
             continue
+        from helpers.generate import stub_source
         src = stub_source(cell.source) if learner else cell.source
         src = "\n".join(l for l in src.split("\n") if not l.lstrip().startswith(("%", "!")))
         try:
@@ -76,6 +76,7 @@ class LaunchRecorder:
 
 def notebook(name: str, folder: str = "solutions"):
     """The notebook ``<folder>/<name>.ipynb`` (a NotebookNode)."""
+    import nbformat
     return nbformat.read(ROOT / folder / f"{name}.ipynb", as_version=4)
 
 
