@@ -131,10 +131,12 @@ ALL_CONFIG_TARGETS = (86, 80)
 BF16_TARGETS = (90,)  # bf16 too, on a Hopper (its shared memory and code paths are fp16's elsewhere: one dtype suffices there)
 
 
-def _plan(cc, kind, variants):
+def _plan(cc, kind, variants, plain_extras=True):
     """(dtype, d, cfg, variant) to compile: the configurations the launcher keeps on sm_cc (fp16, d = 128,
     the first variant: the shared-memory proof; all of them on ALL_CONFIG_TARGETS); on VARIANT_TARGETS also each other variant and d = 64, on
-    BF16_TARGETS bf16, at the first configuration. (All of them everywhere would take CI many minutes.)"""
+    BF16_TARGETS bf16, at the first configuration. (All of them everywhere would take CI many minutes.)
+    ``plain_extras=False``: no d = 64 and no bf16 of the plain kernel, where the kernel's window and score-mod jobs
+    already compile a bf16 kernel at d = 64 and its padded job d = 80 (the same code paths: once is the proof)."""
     some = (lambda cfgs: cfgs) if cc in ALL_CONFIG_TARGETS else (lambda cfgs: cfgs[:1])
     try:
         plan = [("fp16", 128, cfg, variants[0]) for cfg in some(_configs(kind, 128, "fp16", cc))]
@@ -143,8 +145,9 @@ def _plan(cc, kind, variants):
     first = plan[0][2]
     if cc in VARIANT_TARGETS:
         plan += [("fp16", 128, first, v) for v in variants[1:]]
-        plan += [("fp16", 64, _configs(kind, 64, "fp16", cc)[0], variants[0])]
-    if cc in BF16_TARGETS:
+        if plain_extras:
+            plan += [("fp16", 64, _configs(kind, 64, "fp16", cc)[0], variants[0])]
+    if cc in BF16_TARGETS and plain_extras:
         plan += [("bf16", 128, first, variants[0])]
     return plan
 
@@ -180,7 +183,7 @@ def _mods_label(window, mod):
 
 def fwd_jobs(cc, dtypes):
     from helpers.kernels import forward as kf
-    plan = _plan(cc, "fwd", [(True, False), (False, False)])  # (causal, TMA)
+    plan = _plan(cc, "fwd", [(True, False), (False, False)], plain_extras=False)  # (causal, TMA)
     plan += _padded(cc, "fwd", (True, False))
     if _use_tma(cc, "fp16"):  # TMA keeps Q and more K/V tiles in shared memory: the largest configuration
         cfgs = _configs("fwd", 128, "fp16", cc)
@@ -211,7 +214,7 @@ def decode_jobs(cc, dtypes):
                 ("flash_decode", True, 0, False, False, False, 4, 1, False, 0),
                 ("kvcache contiguous, causal Nq=4 x group 8", False, 0, True, True, False, 8, 4, False, 0),
                 ("kvcache paged 256, one split", False, 256, True, True, True, 4, 1, False, 0)]
-    plan = _plan(cc, "decode", variants) + _padded(cc, "decode", variants[0])
+    plan = _plan(cc, "decode", variants, plain_extras=False) + _padded(cc, "decode", variants[0])
     # window_size, softcap, alibi_slopes (SCORE_MOD bits 1, 2): at the first configuration, on sm_90 and on sm_80
     # (the other shared-memory budget); their tiles are the plain kernel's, so these prove the code paths compile
     mods = {90: [("fp16", ("kvcache paged 16, window + softcap", False, 16, True, False, False, 4, 1, True, 1)),
@@ -268,7 +271,7 @@ def bwd_jobs(cc, dtypes):
 
     # (causal, atomic dQ, EVEN): EVEN = N, Nk multiples of the tiles (known when compiled: no ragged loops)
     variants = [(True, False, True), (False, False, True), (True, False, False), (True, True, True)]
-    plan = _plan(cc, "dkdv", variants) + _padded(cc, "dkdv", (True, True, False)) + _wide(cc, "dkdv", variants[0])
+    plan = _plan(cc, "dkdv", variants, plain_extras=False) + _padded(cc, "dkdv", (True, True, False)) + _wide(cc, "dkdv", variants[0])
     plan = [(dt, d, cfg, (*v, False, 0)) for dt, d, cfg, v in plan] + _mods_plan(cc, "dkdv", (True, False, False))
     for dtype, d, cfg, (causal, atomic, even, window, mod) in plan:
         def dkdv(cfg=cfg, d=d, dtype=dtype, causal=causal, atomic=atomic, even=even, window=window, mod=mod):
@@ -284,7 +287,7 @@ def bwd_jobs(cc, dtypes):
                         f"{' atomic dQ' if atomic else ''}{'' if even else ' ragged'} {_cfg_label(cfg)}",
                         dkdv, _meta("dkdv", cfg, d, dtype, cc, atomic=atomic)))
     variants = [(True, True), (False, True), (True, False)]
-    plan = _plan(cc, "dq", variants) + _padded(cc, "dq", (True, False)) + _wide(cc, "dq", variants[0])
+    plan = _plan(cc, "dq", variants, plain_extras=False) + _padded(cc, "dq", (True, False)) + _wide(cc, "dq", variants[0])
     plan = [(dt, d, cfg, (*v, False, 0)) for dt, d, cfg, v in plan] + _mods_plan(cc, "dq", (True, False))
     for dtype, d, cfg, (causal, even, window, mod) in plan:
         def dq(cfg=cfg, d=d, dtype=dtype, causal=causal, even=even, window=window, mod=mod):
