@@ -34,7 +34,7 @@ boolean  = $(if $(filter-out 0 1 n y no yes false true off on,$(call lower,$(1))
 
 .DEFAULT_GOAL := help
 .PHONY: help setup check-setup lab grade check check-gpu test notebooks check-notebooks check-solutions run-solutions \
-        e2e bench clean
+        e2e site bench clean
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -48,7 +48,7 @@ $(STAMP): pyproject.toml
 	  echo "torch: asked for '$(TORCH)' $(TORCH_INDEX); removing the torch installed before"; \
 	  $(BIN)/python -m pip uninstall --yes --quiet torch; fi
 	$(BIN)/python -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
-	$(BIN)/python -m pip install --quiet -e ".[lab,test]"
+	$(BIN)/python -m pip install --quiet -e ".[lab,test,site]"
 	$(BIN)/python -m ipykernel install --prefix $(VENV) --name python3 --display-name "Python 3 (course)" >/dev/null
 	@printf '%s\n%s\n' '$(TORCH)' '$(TORCH_INDEX)' > $(TORCH_SPEC)
 	@rm -f $(BIN)/.installed $(BIN)/.installed-*
@@ -99,8 +99,11 @@ check-solutions: setup  ## run every worked notebook; every exercise must pass (
 check-notebooks: setup  ## run every learner notebook; exercises show "not attempted"
 	$(BIN)/python -m pytest $(NBVAL) notebooks
 
-e2e: setup  ## every notebook run in JupyterLab in headless Chromium, on a copy (screenshots: artifacts/e2e/)
+e2e: setup  ## every notebook run in JupyterLab in headless Chromium, on a copy, and the site's pages (screenshots: artifacts/)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist worksteal e2e
+
+site: setup  ## the course as a static site in build/site/: the worked notebooks as saved, the results (offline; no re-run)
+	$(BIN)/python site/build.py --repo $(CURDIR) --out build/site
 
 # Each learner copy runs once in `make check`: in JupyterLab by `make e2e` (which checks what nbval does, no error,
 # and more: nothing on stderr, figures, widgets, a ⏳ per exercise) where e2e is required (COURSE_E2E_REQUIRED=1,
