@@ -6,6 +6,7 @@ pretend `.venv/`: what a `make setup` left behind is simulated by writing its to
 import json
 import re
 import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,25 @@ def test_check_runs_each_learner_copy_once_where_e2e_is_required(course, require
     assert any(ln.rstrip().endswith(" e2e") for ln in lines), dry                  # e2e always
     assert sum("COURSE_STRICT=1" in ln and "--nbval-lax" in ln for ln in lines) + \
         sum(ln.startswith("COURSE_STRICT=1 COURSE_TEST_HIDE") for ln in lines) == 2, dry   # nbval over solutions/
+
+
+@pytest.mark.parametrize("uid, root", [("0", True), ("1000", False)])
+def test_lab_starts_as_root_too_and_opens_the_start_notebook(course, tmp_path, uid, root):
+    """As root (a container, a cloud GPU box) JupyterLab refuses to start without --allow-root: `make lab` adds it
+    for root only (`id -u` is faked here), and opens the lab at the start notebook; LAB_ARGS reach the lab."""
+    _setup_done(course, "torch==2.13.0")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "id").write_text(f"#!/bin/sh\necho {uid}\n")
+    (fake / "id").chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    out = subprocess.run(["make", "-n", "--no-print-directory", "lab", "LAB_ARGS=--no-browser --port 8888"],
+                         cwd=course, capture_output=True, text=True, timeout=60, env=env).stdout
+    [line] = [ln for ln in out.splitlines() if "jupyter lab" in ln]
+    assert ("--allow-root" in line) == root, line
+    assert line.endswith("--no-browser --port 8888 notebooks/00_start_here.ipynb"), line
+
+
+def test_the_course_lab_saves_every_15_seconds():
+    settings = json.loads((ROOT / "jupyterlab-overrides.json").read_text())
+    assert settings["@jupyterlab/docmanager-extension:plugin"] == {"autosave": True, "autosaveInterval": 15}
