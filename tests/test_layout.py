@@ -211,3 +211,26 @@ def test_no_module_outside_the_kernels_is_over_the_size_limit():
     big = {str(p.relative_to(ROOT)): n for m, p in MODULES.items() if _kind(m) != "kernel"
            for n in [len(p.read_text().splitlines())] if n > MAX_LINES}
     assert not big, f"over {MAX_LINES} lines (split it by job): {big}"
+
+
+def test_docstrings_and_comments_keep_the_reasons_not_the_measurements():
+    """A measured figure lives in its record (bench/results/), its history in git and bench/NOTES.md: no date and
+    no measured rate, time or ratio in the docstrings and comments under helpers/ (a FLOP count is arithmetic,
+    a figure from a cited paper or datasheet is the source's)."""
+    import io
+    import tokenize
+
+    from test_lesson_form import CITED, MEASURED
+    found = []
+    for mod, path in MODULES.items():
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            prose = tok.type == tokenize.COMMENT or (tok.type == tokenize.STRING
+                                                     and tok.string.lstrip("rbuRBU").startswith(('"""', "'''")))
+            if not prose:
+                continue
+            for m in MEASURED.finditer(tok.string):
+                around = tok.string[max(0, m.start() - 80):m.end() + 30]
+                if CITED.search(around) or re.search(r"FLOPs\b|x the forward", around):
+                    continue
+                found.append(f"{path.relative_to(ROOT)}:{tok.start[0]}: …{around.strip()!r}…")
+    assert not found, "measured figures in docstrings or comments:\n" + "\n".join(found)
