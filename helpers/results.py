@@ -13,10 +13,11 @@ import math
 from pathlib import Path
 
 __all__ = ["RESULTS_DIR", "RESULTS", "NOT_MEASURED", "load_json", "load_results", "results_label", "section_rows",
-           "plot_tflops", "geomean", "geomean_ratio", "fmt", "ratio"]
+           "plot_tflops", "geomean", "geomean_ratio", "fmt", "ratio", "CHECK_TIMES", "check_times_table"]
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 RESULTS = RESULTS_DIR / "h200.json"
+CHECK_TIMES = RESULTS_DIR / "check_times.json"     # bench/time_check.py: the README's commands on a fresh clone
 
 
 def load_json(path):
@@ -100,3 +101,20 @@ NOT_MEASURED = "not measured yet"
 def ratio(a, b) -> str:
     """A table cell: a / b with two decimals, or an em dash when either is missing."""
     return fmt(a / b if a and b else None, 2)
+
+
+def check_times_table(res=None) -> str:
+    """How long the README's commands took on a fresh clone (``bench/time_check.py``): a line per target, then
+    ``make check`` in all; labelled with the machine, versions, commit and date."""
+    res = load_json(CHECK_TIMES) if res is None else res
+    if not res:
+        return f"the README's commands on a fresh clone: {NOT_MEASURED}"
+    m = res["meta"]
+    lines = [f"{m['cores']} cores, {m['memory_gib']} GiB, Python {m['python']}, torch {m['torch']}, triton "
+             f"{m['triton']}, {m['chromium']} · commit {m['commit']} · {m['date']} · {m['how']}",
+             f"{'command':<22} {'wall time':>10}  result"]
+    for target, s in res["steps"].items():
+        lines.append(f"{'make ' + target:<22} {s['seconds'] / 60:>7.1f} min  {'ok' if s['returncode'] == 0 else 'FAILED'}")
+    lines.append(f"{'make check, in all':<22} {res['make_check_seconds'] / 60:>7.1f} min  "
+                 f"{'passed' if res['passed'] else 'FAILED'}")
+    return "\n".join(lines)

@@ -88,6 +88,7 @@ def results_sections(repo: Path) -> list[tuple[str, object]]:
     l07, l08 = course_module(repo, "lesson07"), course_module(repo, "lesson08.gpu_section")
     l09, l10 = course_module(repo, "lesson09"), course_module(repo, "lesson10")
     l11, l12 = course_module(repo, "lesson11.records"), course_module(repo, "lesson12")
+    l12r = course_module(repo, "lesson12.records")
     folder = repo / "bench" / "results"
 
     def table(fn, *files):              # fn(*records) returns the table
@@ -121,6 +122,10 @@ def results_sections(repo: Path) -> list[tuple[str, object]]:
         ("Nsight Compute: why (lesson 11)", table(l11.gluon_profile_table, "gluon_profile_h200.json")),
         ("Masks and score modifications against FlexAttention (lesson 12)",
          printed(l12.show_masks_results, "masks_h200.json")),
+        ("Packed documents, causal within each, against FlexAttention (lessons 08, 10, 12)",
+         table(l12r.packed_documents_table, "h200.json")),
+        ("The README's commands on a fresh clone (the course's CI machine)",
+         table(results.check_times_table, "check_times.json")),
     ]
 
 

@@ -99,3 +99,22 @@ def test_issue_36_corrections_stay():
     for right in ("calls `mask_mod` again on each partial tile", "kv_num_blocks", "full_kv_indices",
                   "never read from HBM", "O(N · w)", "cap · tanh(scale · qk / cap)", "1 − tanh²"):
         assert right in interview, right
+
+
+def test_the_packed_documents_table_shows_its_record():
+    """Every packed-documents row of h200.json is a line of the table, with its label; the summary is recomputed
+    from the rows and agrees with what the bench script stored beside them."""
+    from helpers.lesson12 import records
+    from helpers.results import load_results
+    res = load_results()
+    rows, meta = res["packed_documents"], res["packed_documents_meta"]
+    table = records.packed_documents_table(res)
+    assert meta["gpu"] in table and meta["date"] in table and "FlexAttention:" in table and "median" in table
+    body = [ln for ln in table.splitlines() if ln.endswith(("✓", "✗"))]
+    assert len(body) == len(rows)
+    s = records.packed_documents_summary(res)
+    stored = meta["summary"]
+    assert s["rows"] == stored["rows"]
+    assert round(s["fwd"][0], 3) == stored["fwd_x_flex"] and round(s["bwd"][0], 3) == stored["bwd_x_flex"]
+    assert round(s["fwd"][1], 3) == stored["fwd_min"] and round(s["bwd"][1], 3) == stored["bwd_min"]
+    assert "not measured yet" in records.packed_documents_table({})

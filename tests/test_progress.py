@@ -119,3 +119,16 @@ def test_the_progress_view_shows_the_labs_last_verdicts(tmp_path, monkeypatch, c
     text = progress.show(tmp_path)
     line = next(x for x in text.splitlines() if x.startswith("01 "))
     assert "✅ merge_ml" in line and "⏳ blockwise_stats" in line and "· lse_from_stats" in line and "1/4" in line
+
+
+def test_the_check_times_table_reads_its_record():
+    from helpers.results import check_times_table
+    rec = {"meta": {"cores": 2, "memory_gib": 24, "python": "3.11.7", "torch": "2.13.0+cpu", "triton": "3.9.0",
+                    "chromium": "Chromium 156", "commit": "abc1234", "date": "2026-12-02 01:00 UTC", "how": "a fresh clone"},
+           "steps": {"setup": {"seconds": 90, "returncode": 0}, "test": {"seconds": 400, "returncode": 0},
+                     "e2e": {"seconds": 200, "returncode": 1}},
+           "make_check_seconds": 600, "passed": False}
+    text = check_times_table(rec)
+    assert "2 cores" in text and "abc1234" in text and "make test" in text and "6.7 min" in text
+    assert "make e2e" in text and "FAILED" in text and "make check, in all" in text and "10.0 min" in text
+    assert "not measured yet" in check_times_table({})

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ..results import RESULTS_DIR, geomean, load_json, results_label
 
-__all__ = ["MASKS_RESULTS", "FLEX_CONFIG", "GROUPS", "masks_label", "masks_table", "masks_summary", "summary_lines"]
+__all__ = ["MASKS_RESULTS", "FLEX_CONFIG", "GROUPS", "masks_label", "masks_table", "masks_summary", "summary_lines",
+           "packed_documents_summary", "packed_documents_table"]
 
 MASKS_RESULTS = RESULTS_DIR / "masks_h200.json"        # bench/bench_masks.py on an H200
 
@@ -120,4 +121,65 @@ def summary_lines(res=None) -> str:
     docs = {k: x for k, x in s["tiles_over_visible"].items() if k[0] == "64 documents"}
     lines.append("  tiles visited over pairs visible, 64 documents: " + ", ".join(
         f"d = {d}, N = {N}: {x:.1f}x" for (_, d, N), x in docs.items()))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ packed documents (bench/bench_varlen.py --packed)
+def _packed(res):
+    from ..results import load_results
+    res = load_results() if res is None else res
+    return (res or {}).get("packed_documents", []), (res or {}).get("packed_documents_meta", {})
+
+
+def _lengths(r) -> str:
+    n = r.get("lengths")
+    if isinstance(n, dict):
+        return f"{n['count']} docs {n['min']}-{n['max']}"
+    return f"{len(n)} docs {min(n)}-{max(n)}" if n else "?"
+
+
+def packed_documents_summary(res=None) -> dict:
+    """Over the causal rows that passed: FlexAttention's time over the course's, forward and backward (geometric mean,
+    lowest, the rows below 0.9), recomputed from the rows. {} when nothing is recorded."""
+    rows, _ = _packed(res)
+    rows = [r for r in rows if r.get("causal") and r.get("pass") and r.get("fwd_course_ms") and r.get("fwd_flex_ms")]
+    if not rows:
+        return {}
+    out = {"rows": len(rows)}
+    for way in ("fwd", "bwd"):
+        xs = [r[f"{way}_flex_ms"] / r[f"{way}_course_ms"] for r in rows]
+        out[way] = (geomean(xs), min(xs), max(xs))
+        out[f"{way}_below_0.9"] = [f"{r['mix']} T={r['T']} d={r['d']} H/Hkv={r['H']}/{r['Hkv']}"
+                                   for r, x in zip(rows, xs) if x < 0.9]
+    return out
+
+
+def packed_documents_table(res=None) -> str:
+    """The packed-documents rows: each mix's forward and backward times, the course's and FlexAttention's (and SDPA's
+    with a dense mask where it ran), FlexAttention's time over the course's; then the summary over the causal rows.
+    Labelled with the GPU, versions, date, the statistic and how each peer was run."""
+    rows, meta = _packed(res)
+    if not rows:
+        return "packed documents against FlexAttention: not measured yet"
+    lines = [f"packed documents, causal within each document: {results_label(meta)} · {meta.get('dtype', '?')} · "
+             f"{meta.get('timing', '')}",
+             f"  course: {meta.get('course', '?')}", f"  FlexAttention: {meta.get('flex', '?')}",
+             f"  SDPA: {meta.get('sdpa', '?')}", f"  every row first checked: {meta.get('check', '?')}",
+             f"{'mix':<26} {'lengths':<18} {'T':>6} {'d':>4} {'H/Hkv':>6} {'causal':>6} | {'fwd':>6} {'flex':>6} "
+             f"{'x':>5} | {'bwd':>6} {'flex':>6} {'x':>5} | {'sdpa fwd':>8} {'ok':>3}"]
+    for r in rows:
+        fx = r["fwd_flex_ms"] / r["fwd_course_ms"] if r.get("fwd_course_ms") and r.get("fwd_flex_ms") else None
+        bx = r["bwd_flex_ms"] / r["bwd_course_ms"] if r.get("bwd_course_ms") and r.get("bwd_flex_ms") else None
+        lines.append(f"{r['mix'][:26]:<26} {_lengths(r)[:18]:<18} {r['T']:>6} {r['d']:>4} {r['H']:>3}/{r['Hkv']:<2} "
+                     f"{str(bool(r['causal'])):>6} | {_cell(r.get('fwd_course_ms')):>6} {_cell(r.get('fwd_flex_ms')):>6} "
+                     f"{_cell(fx, 2):>5} | {_cell(r.get('bwd_course_ms')):>6} {_cell(r.get('bwd_flex_ms')):>6} "
+                     f"{_cell(bx, 2):>5} | {_cell(r.get('fwd_sdpa_ms')):>8} {'✓' if r.get('pass') else '✗':>3}")
+    lines.append("  ms; x = FlexAttention's time / the course's (above 1: the course is faster)")
+    s = packed_documents_summary(res)
+    if s:
+        for way, name in (("fwd", "forward"), ("bwd", "backward")):
+            gm, lo, hi = s[way]
+            below = s[f"{way}_below_0.9"]
+            lines.append(f"  {name}: {gm:.2f}x FlexAttention in geometric mean over {s['rows']} causal rows "
+                         f"({lo:.2f}-{hi:.2f}x; below 0.9x: {', '.join(below) if below else 'none'})")
     return "\n".join(lines)
