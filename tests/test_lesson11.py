@@ -677,6 +677,14 @@ _Q_LINES = _PRODUCER_LINES["q"].replace("\n    ", "\n" + " " * 8)
     ({"k": "tma_load(k_desc, [q_row + j * BLOCK_N, 0], full.index(s), k_smem.index(s))"},
      ["the query block's row, not the KV head's"], "kv_row + j * BLOCK_N"),
     ({"wait": "mbarrier.wait(empty.index(s), (j // NUM_STAGES) % 2 == 0)"}, ["phase is True", "must be an integer"], ""),
+    ({"q": "mbarrier.expect(q_bar, q_desc.block_type.nbytes, pred=q_row > 0)\n    "          # the first program
+           "tma_load(q_desc, [q_row, 0], q_bar, q_smem, pred=q_row > 0)"}, ["Q was loaded 0 times", "pred= was False"],
+     ""),
+    ({"loop": "for j in range(gl.cdiv(n_tiles, NUM_STAGES) * NUM_STAGES):", "wait": _LOOP_WAIT + ", pred=j < n_tiles)",
+      "k": _PRODUCER_LINES["k"][:-1] + ", pred=j < n_tiles)", "v": _PRODUCER_LINES["v"][:-1] + ", pred=j < n_tiles)"},
+     ["bytes that no copy brings", "the copies' pred= was False, the expect's was not"], "one predicate"),
+    ({"v": "tma_load(k_desc, [kv_row + j * BLOCK_N, 0], full.index(s), v_smem.index(s))"},
+     ["k_desc's tile lands in v_smem"], "tma_load(v_desc, [row, 0], full.index(s), v_smem.index(s))"),
 ])
 def test_producer_planted_bug_rejected(tmp_path, no_compile, lines, words, fix):
     rejects(check.fa3_producer, _producer(tmp_path, **lines), *words)

@@ -278,10 +278,16 @@ def test_block_mask_raising_gets_the_hint_of_what_it_raised():
     rejects(check.build_block_mask, stacks, "stack expects a non-empty TensorList", "torch.stack of an empty list")
 
 
-def test_block_mask_block_sizes_swapped():
+def test_block_mask_block_sizes_swapped_or_one_too_many():
     def swapped(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
         return L.build_block_mask_ref(mask_mod, N, Nk, BLOCK_N, BLOCK_M)
     rejects(check.build_block_mask, swapped, "counted with BLOCK_N", "the two are swapped")
+
+    def floor_plus_one(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
+        Tk = Nk // BLOCK_N + 1
+        a, b, c, d = L.build_block_mask_ref(mask_mod, N, Tk * BLOCK_N, BLOCK_M, BLOCK_N)
+        return a, b, c, d
+    rejects(check.build_block_mask, floor_plus_one, "one block too many", "ceil(Nk / BLOCK_N) = 3")
 
 
 def test_block_mask_dropping_the_ragged_block():
@@ -459,6 +465,14 @@ def test_block_sparse_filler_and_transposed_o_named():
         return L.flash_attn_block_sparse_ref(q, k, v, (every, idx, full_num, full_idx), mask_mod, score_mod, BLOCK_M,
                                              BLOCK_N, h)
     rejects(check.flash_attn_block_sparse, filler, "every tile but the full ones", "the rest of the row is filler")
+
+    def both_counts(q, k, v, block_mask, mask_mod, score_mod=None, BLOCK_M=4, BLOCK_N=3, h=0):
+        kv_num, kv_idx, full_num, full_idx = block_mask
+        every = kv_num + full_num                        # kv_indices read up to both counts, full list unread
+        return L.flash_attn_block_sparse_ref(q, k, v, (every, kv_idx, torch.zeros_like(full_num), full_idx), mask_mod,
+                                             score_mod, BLOCK_M, BLOCK_N, h)
+    rejects(check.flash_attn_block_sparse, both_counts, "as many as the 13 partial and the 5 full tiles hold",
+            "read past kv_num_blocks[a]")
 
     def transposed(q, k, v, block_mask, mask_mod, score_mod=None, BLOCK_M=4, BLOCK_N=3, h=0):
         O, lse = L.flash_attn_block_sparse_ref(q, k, v, block_mask, mask_mod, score_mod, BLOCK_M, BLOCK_N, h)

@@ -381,6 +381,7 @@ def fa3_schedule(g):
 # forgets kv_row, GQA's KV head, loads head 0's keys), and both tile widths the kernel uses.
 _PRODUCER_FIXED = [(name, n, s) for name, n, s, c in _FIXED if c == 1] + [
     ("two stages, many laps", 11, 2), ("three stages, 9 tiles", 9, 3)]
+_FIRST_PROGRAM = ("the first program: q_row = kv_row = 0, 6 tiles, 2 stages", 6, 2, 64, 0, 0)
 _PRODUCER_ARGS = ["n_tiles", "NUM_STAGES", "BLOCK_N", "q_row", "kv_row"]
 _D = 64                                  # the head dim of the trace (bytes per tile: BLOCK_N x 64 x 2)
 _BLOCK_M = 128
@@ -394,7 +395,7 @@ def _producer_cases():
              for i, (name, n, s) in enumerate(_PRODUCER_FIXED)]
     cases += [Case(f"random #{i}", n, s, (64, 128)[i % 2], 128 * (i + 1), 2048 * (i % 4 + 1))
               for i, (n, s, c) in enumerate(random_cases(112, 40)) if c == 1]
-    return cases
+    return cases + [Case(*_FIRST_PROGRAM)]
 
 
 def _in_gluon(text: str) -> str:
@@ -430,6 +431,13 @@ def _producer_ops(events, n_tiles, num_stages, block_n, q_row, kv_row):
     def close(s, fill, why):
         """Stage s's fill is over (``why``): it must have K_j, V_j and an expect of both tiles' bytes."""
         j = fill["k"] if fill["k"] is not None else fill["v"]
+        if j is None:                                      # an expect, and no copy after it
+            off = any(st == s for _, st in skipped["copy"])
+            raise _Misuse((f"full.index({s}) expects {fill['expect']} bytes that no copy brings" +
+                           (": the copies' pred= was False, the expect's was not" if off else f" ({why})"),
+                           "full[s] never completes: the consumer waits forever (a hang on a GPU). A pred= must "
+                           "switch off a tile's expect and both its copies together", "one predicate, pred=j < n_tiles, "
+                           "on the expect and both copies"))
         if fill["k"] is None or fill["v"] is None:
             miss = "K" if fill["k"] is None else "V"
             if ({"K": "k_desc", "V": "v_desc"}[miss], s) in skipped["copy"]:
@@ -525,8 +533,9 @@ def _producer_ops(events, n_tiles, num_stages, block_n, q_row, kv_row):
             ring = {"k_desc": "k_smem", "v_desc": "v_smem"}[desc]
             if dest.name != ring or dest.stage is None:
                 raise _Misuse((f"{desc}'s tile lands in {dest!r}", "K_j goes to k_smem.index(s) and V_j to "
-                               "v_smem.index(s), with s = j % NUM_STAGES", f"tma_load({desc}, [row, 0], full.index(s), "
-                                                                           f"{ring}.index(s))"))
+                               "v_smem.index(s), with s = j % NUM_STAGES: each descriptor into its own ring",
+                               "tma_load(k_desc, [row, 0], full.index(s), k_smem.index(s)); "
+                               "tma_load(v_desc, [row, 0], full.index(s), v_smem.index(s))"))
             if bar.name != "full" or bar.stage != dest.stage:
                 raise _Misuse((f"the copy into {dest!r} completes {bar!r}",
                                "a stage's copies complete that stage's barrier: full.index(s) for k_smem.index(s) "

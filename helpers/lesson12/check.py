@@ -180,7 +180,8 @@ def _bm_bugs():
         Bug("a partial tile was skipped: a tile with at least one visible pair must be visited (in "
             "kv_indices); only a tile with no visible pair is left out", model(partial_skipped=True)),
         Bug("a partial tile was listed as full: 'some pair visible' is not 'every pair visible'; a full tile "
-            "must have all BLOCK_M x BLOCK_N pairs visible", model(partial_as_full=True)),
+            "must have all BLOCK_M x BLOCK_N pairs visible (does the test look at every pair, or at some: a diagonal, "
+            "a corner, one pair per tile?)", model(partial_as_full=True), fix=_EVERY_PAIR),
         Bug("the ragged last block: create_block_mask pads the mask with False to a multiple of the block "
             "(_convert_mask_to_block_mask), so a ragged tile's padding counts as masked and it is never full; "
             "you compared the visible count with the clipped tile's size", model(clip_full=True)),
@@ -201,11 +202,17 @@ def _expect_index_tensor(g, t, what, shape, case=None):
     if isinstance(t, torch.Tensor) and case is not None and tuple(t.shape) != tuple(shape) and t.dim() == len(shape):
         _, N, Nk, BM, BN = case.args
         swapped = (math.ceil(N / BN), math.ceil(Nk / BM))[:len(shape)]
+        fix = "Tq, Tk = -(-N // BLOCK_M), -(-Nk // BLOCK_N)"
         if tuple(t.shape) == swapped:
             g.fail(f"`{what}` has shape {list(t.shape)}, expected {list(shape)}: the query blocks counted with BLOCK_N "
                    "and the key blocks with BLOCK_M", hint="BLOCK_M tiles the queries (Tq = ceil(N / BLOCK_M) rows of "
-                   "the block mask), BLOCK_N the keys (Tk = ceil(Nk / BLOCK_N) columns): the two are swapped",
-                   fix="Tq, Tk = -(-N // BLOCK_M), -(-Nk // BLOCK_N)")
+                   "the block mask), BLOCK_N the keys (Tk = ceil(Nk / BLOCK_N) columns): the two are swapped", fix=fix)
+        floors = (N // BM, Nk // BN)[:len(shape)]
+        if any(x == f + 1 and f * b == n for x, f, b, n in zip(t.shape, floors, (BM, BN), (N, Nk))):
+            g.fail(f"`{what}` has shape {list(t.shape)}, expected {list(shape)}: one block too many",
+                   hint=f"floor + 1 is one block too many where the size is a multiple of the block: there are "
+                        f"ceil(N / BLOCK_M) = {math.ceil(N / BM)} query blocks and ceil(Nk / BLOCK_N) = "
+                        f"{math.ceil(Nk / BN)} key blocks", fix=fix)
     if isinstance(t, torch.Tensor) and t.dim() == len(shape) + 2 and tuple(t.shape[2:]) == tuple(shape):
         g.fail(f"`{what}` has shape {list(t.shape)}, expected {list(shape)}: this exercise is for one head",
                hint="create_block_mask's tensors are [B, H, ...]; return the one head's, [Tq] and [Tq, Tk] "
@@ -550,9 +557,22 @@ def _check_work(g):
     if counting.pairs > partial_area and counting.pairs == every - full_area:
         g.fail(f"mask_mod was evaluated on {counting.pairs:,} (query, key) pairs: every tile but the full ones, with the "
                f"mask; the {int(bm[0].sum())} partial tiles hold {partial_area:,}",
-               hint="every entry of kv_indices[a] was visited: only its first kv_num_blocks[a] are tiles to visit, the "
-                    "rest of the row is filler (the other blocks, so that each row is a permutation)",
+               hint="every tile the full list does not hold was masked: was every entry of kv_indices[a] visited? Only "
+                    "its first kv_num_blocks[a] are tiles to visit; the rest of the row is filler (the other blocks, so "
+                    "that each row is a permutation)",
                fix="for c in kv_indices[a, :kv_num_blocks[a]].tolist(): ...")
+    if counting.pairs > partial_area and counting.pairs == partial_area + full_area:
+        g.fail(f"mask_mod was evaluated on {counting.pairs:,} (query, key) pairs, as many as the {int(bm[0].sum())} "
+               f"partial and the {int(bm[2].sum())} full tiles hold; the partial ones alone hold {partial_area:,}",
+               hint="the full tiles were masked too (a full tile needs no mask: every pair is visible), or kv_indices "
+                    "was read past kv_num_blocks[a] (its rest is filler; the full tiles are full_kv_indices')",
+               fix="mask only for c in kv_indices[a, :kv_num_blocks[a]]; no mask for c in "
+                   "full_kv_indices[a, :full_kv_num_blocks[a]]")
+    if counting.pairs >= N * Nk:
+        g.fail(f"mask_mod was evaluated on {counting.pairs:,} (query, key) pairs, every pair of the {N} x {Nk} scores; "
+               f"the {int(bm[0].sum())} partial tiles hold {partial_area:,}",
+               hint="the N x Nk mask was built (or every tile masked): mask_mod is for the partial tiles only, one "
+                    "[BLOCK_M, BLOCK_N] tile at a time", fix="mask only for c in kv_indices[a, :kv_num_blocks[a]]")
     if counting.pairs > partial_area:
         g.fail(f"mask_mod was evaluated on {counting.pairs:,} (query, key) pairs; the {int(bm[0].sum())} partial "
                f"tiles hold {partial_area:,} (the {int(bm[2].sum())} full ones {full_area:,} more)",
