@@ -657,6 +657,7 @@ _Q_LINES = _PRODUCER_LINES["q"].replace("\n    ", "\n" + " " * 8)
     ({"loop": "for j in range(n_tiles + 1):"}, ["copied from row", "one tile past the last"], "range(n_tiles)"),
     ({"stage": "s = j % (NUM_STAGES + 1)"}, ["index(", "the stages are 0.."], ""),
     ({"loop": "for j in gl.program_id(0):"}, ["the trace stopped", "gl.program_id"], ""),
+    ({"loop": "for j in gl.range(0, n_tiles):"}, ["the trace stopped", "gl.range: "], ""),    # tl's, not Gluon's
     # issue 37: Q's barrier, pred=, the learner's own order
     ({"q": "pass", "v": _PRODUCER_LINES["v"] + "\n    " + _PRODUCER_LINES["q"]},
      ["deadlock", "waits for Q (q_bar) before its first tile", "Copy Q first, before the loop"], "q_bar, q_smem"),
@@ -745,7 +746,7 @@ def test_producer_not_a_gluon_function_or_another_signature_rejected(tmp_path, n
     {"q": _PRODUCER_LINES["q"].replace("mbarrier.", "gl.nvidia.hopper.mbarrier.").replace("tma_load", "gl.nvidia.hopper.tma.async_load"),
      "wait": "gl.nvidia.hopper." + _PRODUCER_LINES["wait"]},                                     # the full module path
     {"wait": _LOOP_WAIT.replace("((j // NUM_STAGES) & 1) ^ 1", "(j // NUM_STAGES - 1) & 1") + ", pred=j >= NUM_STAGES)"},
-    {"loop": "for j in gl.static_range(gl.cdiv(n_tiles, NUM_STAGES) * NUM_STAGES):",            # whole laps, pred=
+    {"loop": "for j in range(gl.cdiv(n_tiles, NUM_STAGES) * NUM_STAGES):",            # whole laps, pred=
      "stage": "s = j % NUM_STAGES\n        live = j < n_tiles", "wait": _LOOP_WAIT + ", pred=live)",
      "expect": _PRODUCER_LINES["expect"][:-1] + ", pred=live)", "k": _PRODUCER_LINES["k"][:-1] + ", pred=live)",
      "v": _PRODUCER_LINES["v"][:-1] + ", pred=live)"},

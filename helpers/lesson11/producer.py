@@ -332,18 +332,22 @@ class _Recorder:
 
 
 def _range(*args, **kwargs):
-    """``gl.range`` / ``gl.static_range``: Python's range (the loop hints, num_stages= and the like, change nothing
-    in what the producer issues)."""
+    """``gl.static_range``: Python's range (its hints change nothing in what the producer issues)."""
     return range(*args)
 
 
 class _Fake:
-    """A stand-in module of the trace: the names it models, a TraceError naming any other."""
+    """A stand-in module of the trace: the names it models, a TraceError naming any other (``real``: the module it
+    stands for, where Triton has it: a name that module lacks is Gluon's error, not the trace's)."""
 
-    def __init__(self, kind, names):
-        self._kind, self._names = kind, names
+    def __init__(self, kind, names, real=None):
+        self._kind, self._names, self._real = kind, names, real
 
     def __getattr__(self, attr):
+        if self._real is not None and not hasattr(self._real, attr):
+            raise TraceError(f"{self._kind}.{attr}: this Triton's Gluon has no such name (Gluon would not compile it)",
+                             f"{self._kind}.{attr} is not Gluon's: a loop over the tiles is Python's range(n_tiles) "
+                             "(gl.static_range needs constexpr bounds)", "for j in range(n_tiles):")
         if attr in self._names:
             return self._names[attr]
         raise TraceError(f"{self._kind}.{attr}: the CPU trace models only "
@@ -359,8 +363,9 @@ def _fakes(rec):
     tm = _Fake("tma", {"async_load": rec.load, "async_copy_global_to_shared": rec.copy_global_to_shared})
     hopper = _Fake("gl.nvidia.hopper", {"mbarrier": mb, "tma": tm})
     nvidia = _Fake("gl.nvidia", {"hopper": hopper})
-    gl = _Fake("gl", {"static_range": _range, "range": _range, "minimum": min, "maximum": max,
-                      "constexpr": _Constexpr, "cdiv": lambda a, b: -(-a // b), "nvidia": nvidia})
+    real_gl = gluon_api()[1] if gluon_here() else None
+    gl = _Fake("gl", {"static_range": _range, "minimum": min, "maximum": max, "constexpr": _Constexpr,
+                      "cdiv": lambda a, b: -(-a // b), "nvidia": nvidia}, real_gl)
     gluon = _Fake("gluon", {"language": gl, "jit": lambda f=None, **kw: f})
     return {"gluon": gluon, "gl": gl, "nvidia": nvidia, "hopper": hopper, "mbarrier": mb, "tma": tm}
 
