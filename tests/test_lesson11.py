@@ -644,7 +644,7 @@ _Q_LINES = _PRODUCER_LINES["q"].replace("\n    ", "\n" + " " * 8)
     ({"v": "tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(s), k_smem.index(s))"},
      ["v_desc's tile lands in k_smem", "V_j to v_smem.index(s)"], ""),
     ({"v": "tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(0), v_smem.index(s))"},
-     ["completes full.index(0)", "full.index(s) for k_smem.index(s)"], ""),
+     ["completes full.index(0)", "full.index(s) with k_smem.index(s)"], ""),
     ({"v": "tma_load(v_desc, [kv_row + (j + 1) * BLOCK_N, 0], full.index(s), v_smem.index(s))"},
      ["stage 0 got K_0 and V_1", "one tile index j for both copies"], ""),
     ({"v": "pass"}, ["but not its V", "both completing full.index(s)"], ""),

@@ -384,6 +384,8 @@ def block_sparse_with(bug=None):  # noqa: C901 - one loop, one switch per plante
                     lse[i0:i0 + br] = lse[i0:i0 + br] / math.log(2)
                 if bug == "lse_is_m":
                     lse[i0:i0 + br] = m
+                if bug == "lse_log_l":
+                    lse[i0:i0 + br] = torch.where(l > 0, torch.log(l), -math.inf)
         return O, lse
     return flash_attn_block_sparse
 
@@ -417,6 +419,7 @@ def test_block_sparse_written_another_way_passes(strict, capsys):
     ("no_divide", ["O was never divided by l"]),
     ("lse_base2", ["lse is in base 2"]),
     ("lse_is_m", ["lse is the running max alone"]),
+    ("lse_log_l", ["lse is log(l) alone"]),
 ])
 def test_block_sparse_bugs_are_named(bug, words):
     rejects(check.flash_attn_block_sparse, block_sparse_with(bug), *words)

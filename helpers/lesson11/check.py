@@ -538,8 +538,8 @@ def _producer_ops(events, n_tiles, num_stages, block_n, q_row, kv_row):
                                "tma_load(v_desc, [row, 0], full.index(s), v_smem.index(s))"))
             if bar.name != "full" or bar.stage != dest.stage:
                 raise _Misuse((f"the copy into {dest!r} completes {bar!r}",
-                               "a stage's copies complete that stage's barrier: full.index(s) for k_smem.index(s) "
-                               "and v_smem.index(s)", f"tma_load({desc}, [row, 0], full.index(s), {ring}.index(s))"))
+                               "a stage's copies go into that stage's buffers and complete that stage's barrier: "
+                               "full.index(s) with k_smem.index(s) and v_smem.index(s), the same s = j % NUM_STAGES", f"tma_load({desc}, [row, 0], full.index(s), {ring}.index(s))"))
             off, k = row - kv_row, copies[desc]
             if col == 0 and off == n_tiles * block_n and k == n_tiles:
                 raise _Misuse((f"{desc} copied from row {row}, tile {n_tiles} of a head of {n_tiles} tiles: the loop "

@@ -468,6 +468,8 @@ def _model(case, bug=None):
             lse[i0:i0 + br] = row_lse * (1 / math.log(2))
         elif bug == "lse_is_m":
             lse[i0:i0 + br] = m
+        elif bug == "lse_log_l":                      # log(l) without the max it was taken against
+            lse[i0:i0 + br] = row_lse - torch.where(torch.isneginf(m), 0.0, m)
     return O, lse
 
 
@@ -484,7 +486,7 @@ _BS_FIX = {"full_unmodded": _MOD, "after_max": _MOD, "after_max_masked": _MOD, "
            "tile_softmax": "m_new = max(m, rowmax(S)); alpha = exp(m - m_new); l = alpha * l + "
                                                   "rowsum(P); acc = alpha * acc + P @ Vj",
            "no_divide": "O = acc / l (0 where l = 0)", "lse_base2": "lse = m + log(l), natural log",
-           "lse_is_m": "lse = m + log(l)"}
+           "lse_is_m": "lse = m + log(l)", "lse_log_l": "lse = m + log(l)"}
 _BS_BUGS = [
     ("full_unmodded", "the score_mod was skipped on the full tiles: only the MASK is for partial tiles; the score "
                       "modification (softcap, ALiBi, a bias) applies to every visited tile"),
@@ -522,6 +524,7 @@ _BS_BUGS = [
     ("lse_base2", "lse is in base 2: lse = m + log(l) with the natural log (from base-2 exponentials, divide by "
                   "log2(e))"),
     ("lse_is_m", "lse is the running max alone: lse = m + log(l)"),
+    ("lse_log_l", "lse is log(l) alone: l is the sum of exp(S - m), so lse = m + log(l)"),
 ]
 
 
