@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import ROOT, LaunchRecorder, notebook_namespace, rejects
-from helpers import check
+from helpers import check, checking
 from helpers import lesson11 as L
 from helpers.lesson11 import compute, load, release, wait_empty, wait_full
 from helpers.lesson11 import hopper as H, pipeline as P, producer as T
@@ -109,8 +109,14 @@ def _variant(cons_stage=None, cons_par=None, prod_par=None, order="wcr", prod_wa
     return fa3_schedule
 
 
+def _fix(name):
+    """The exact fix of ``name``'s last ❌ (what ``check.hint(name)`` prints)."""
+    return checking._LAST_FIX[name][1]
+
+
 def test_stage_off_by_one_rejected():
-    rejects(check.fa3_schedule, _variant(cons_stage=lambda j, S: (j + 1) % S), "off by one stage", "j % num_stages")
+    rejects(check.fa3_schedule, _variant(cons_stage=lambda j, S: (j + 1) % S), "off by one stage", "stage 0 % 2 = 0")
+    assert "j % num_stages" in _fix("fa3_schedule")
 
 
 def test_stage_out_of_range_rejected():
@@ -153,7 +159,8 @@ def test_no_wait_before_compute_rejected():
 
 
 def test_producer_does_not_wait_rejected():
-    rejects(check.fa3_schedule, _variant(prod_wait=False), "wait_empty(s, parity) before every load")
+    rejects(check.fa3_schedule, _variant(prod_wait=False), "without waiting for the consumers to release it")
+    assert "wait_empty(s, parity) before every load" in _fix("fa3_schedule")
 
 
 def test_never_released_rejected():
@@ -176,9 +183,9 @@ def test_skipped_tile_rejected():
 def test_ops_that_are_not_ops_get_a_verdict_not_a_traceback():
     import torch
     rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c), "producer": [("load", "0", 0)]},
-            "bad op", "Python ints")
+            "bad op", "its stage is '0', a str", "the string '0'")
     rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c),
-                                                 "producer": [load(torch.tensor(0), 0)]}, "bad op", "Python ints")
+                                                 "producer": [load(torch.tensor(0.0), 0)]}, "bad op", "a float")
     rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c), "consumer0": [load(0, 0)]},
             "bad op", "only the producer loads")
     rejects(check.fa3_schedule, lambda n, s, c: {**L.fa3_schedule_ref(n, s, c), "producer": ["load 0"]},
@@ -225,6 +232,120 @@ def test_consumers_listed_in_another_order_pass(strict):
         out = L.fa3_schedule_ref(n, s, c)
         return dict(reversed(list(out.items())))
     check.fa3_schedule(reordered)
+
+
+# ------------------------------------------------------------------ issue 37: what a correct schedule may hold, and the hints
+def _bool_phase(num_tiles, num_stages, num_consumers):
+    """A running phase kept as a bool (phase = not phase), stages and tiles as numpy integers."""
+    import numpy as np
+    out = {"producer": []}
+    s, phase = 0, True
+    for j in np.arange(num_tiles):
+        out["producer"] += [wait_empty(s, phase), load(s, j)]
+        s, phase = (0, not phase) if s + 1 == num_stages else (s + 1, phase)
+    for c in range(num_consumers):
+        ops, s, phase = [], np.int64(0), False
+        for j in range(num_tiles):
+            ops += [wait_full(s, phase), compute(s, j), release(s)]
+            s, phase = (np.int64(0), not phase) if s + 1 == num_stages else (s + 1, phase)
+        out[f"consumer{c}"] = ops
+    return out
+
+
+def _deferred_release(num_tiles, num_stages, num_consumers):
+    """Each stage released after the next tile's compute (as FA3 releases V late): right with 2 stages or more."""
+    out = L.fa3_schedule_ref(num_tiles, num_stages, num_consumers)
+    for c in range(num_consumers):
+        ops = []
+        for j in range(num_tiles):
+            s = j % num_stages
+            ops += [wait_full(s, (j // num_stages) % 2), compute(s, j)] + ([release((j - 1) % num_stages)] if j else [])
+        out[f"consumer{c}"] = ops + [release((num_tiles - 1) % num_stages)]
+    return out
+
+
+def test_schedule_with_bools_and_numpy_integers_passes(strict):
+    check.fa3_schedule(_bool_phase)
+
+
+def test_the_protocol_walk_names_nothing_in_a_correct_schedule():
+    """The hint's walk of the learner's lists never flags a right schedule (only what is certainly wrong)."""
+    from helpers.lesson11 import check as C
+    for fn in (L.fa3_schedule_ref, _running_phase, _variant(skip_first_wait=True), _bool_phase, _deferred_release):
+        for n, s, c in L.random_cases(3, 40) + [(1, 1, 1), (13, 1, 2), (2, 5, 2)]:
+            if fn is _deferred_release and s == 1:
+                continue
+            raw = fn(n, s, c)
+            bad, ops = P.checked(raw, n, s, c)
+            assert bad is None and C._walk(raw, ops, n, s, c) is None, (fn, n, s, c)
+            assert L.first_violation(fn, n, s, c) is None, (fn, n, s, c)
+
+
+def _edit(agent_ops):
+    """A schedule built from the reference, one agent's list rewritten: agent_ops(agent, ops, n, S) -> ops."""
+    def fa3_schedule(n, S, C):
+        out = L.fa3_schedule_ref(n, S, C)
+        return {a: agent_ops(a, ops, n, S) for a, ops in out.items()}
+    return fa3_schedule
+
+
+def _shared_list(n, S, C):
+    out, ops = {"producer": L.fa3_schedule_ref(n, S, 1)["producer"]}, []
+    for c in range(C):
+        ops += L.fa3_schedule_ref(n, S, 1)["consumer0"]
+        out[f"consumer{c}"] = ops
+    return out
+
+
+@pytest.mark.parametrize("fn, words, fix", [
+    (_edit(lambda a, ops, n, S: [x for j in range(n) for x in (load(j % S, j), wait_empty(j % S, (j // S + 1) % 2))]
+           if a == "producer" else ops), ["the wait for tile 0 comes after its load"], "then load(s, j)"),
+    (_edit(lambda a, ops, n, S: ops if a == "producer" else
+           [wait_full(j % S, (j // S) % 2) for j in range(n)] + [x for x in ops if x[0] != "wait"]),
+     ["consumer0 waits for tile 2 before computing tile 0", "one tile at a time"], "release(s)"),
+    (_edit(lambda a, ops, n, S: ops if a == "producer" else
+           [x for x in ops if x[0] != "release"] + [release(s) for s in range(min(S, n))]),
+     ["consumer0 waits for tile 2 in stage 0 while it still holds stage 0"], "release(s)"),
+    (_shared_list, ["consumer0 and consumer1 are one list object", "ops = [] is outside the consumer loop"], "ops = []"),
+    (_edit(lambda a, ops, n, S: ops if a == "producer" else
+           [x for j in reversed(range(n)) for x in (wait_full(j % S, (j // S) % 2), compute(j % S, j), release(j % S))]),
+     ["consumer0 computes the tiles in the order [6, 5, 4, 3, 2, 1, 0]"], ""),
+    (_edit(lambda a, ops, n, S: ops if a == "producer" else
+           [release((x[1] + 1) % S) if x[0] == "release" else x for x in ops]),
+     ["consumer0 released stage 1 after computing tile 0 on stage 0"], "the same s"),
+    (_edit(lambda a, ops, n, S: [x for j in range(n) for x in (wait_empty((j + 1) % S, ((j + 1) // S + 1) % 2),
+                                                                 load(j % S, j))] if a == "producer" else ops),
+     ["the producer waits for tile 1's stage", "before loading tile 0"], ""),
+    (_edit(lambda a, ops, n, S: [x[:3] + (float(x[3]),) if x[0] == "wait" else x for x in ops]),
+     ["bad op", "is a float", "integers"], "//"),
+    (_edit(lambda a, ops, n, S: [x[:3] + (float("nan"),) if x[0] == "wait" else x for x in ops]), ["is NaN"], ""),
+    (_edit(lambda a, ops, n, S: [x[:3] + (x[3] + 2,) if x[0] == "wait" else x for x in ops]),
+     ["parity 3 is not a parity", "0 or 1"], "% 2"),
+    (lambda n, S, C: dict(enumerate(L.fa3_schedule_ref(n, S, C).values())), ["bad schedule", "agents are [0, 1]",
+                                                                               "the agents' names"], "agents("),
+    (lambda n, S, C: {"producer": L.fa3_schedule_ref(n, S, C)["producer"],
+                      **{c: v for c, v in enumerate(list(L.fa3_schedule_ref(n, S, C).values())[1:])}},
+     ["bad schedule", "['producer', 0]", "the agents' names"], ""),
+])
+def test_schedule_hint_names_the_first_step_that_went_wrong(fn, words, fix):
+    """Issue 37: reorderings of whole phases and malformed numbers get the hint that names them, never a
+    traceback (mixed int and str keys crashed in sorted())."""
+    rejects(check.fa3_schedule, fn, *words)
+    assert fix in _fix("fa3_schedule")
+
+
+def test_q_barrier_in_the_simulator():
+    """The Gluon exercise's replay: the consumer waits for Q; a Q copied after a wait that needs a release deadlocks
+    once there are more tiles than stages; fa3_schedule's ops know no Q."""
+    n, S = 5, 2
+    cons = [P.wait_q()] + L.fa3_schedule_ref(n, S, 1)["consumer0"]
+    prod = L.fa3_schedule_ref(n, S, 1)["producer"]
+    assert L.simulate({"producer": [P.load_q()] + prod, "consumer0": cons}, n, S, 1, q=True).violation is None
+    v = L.simulate({"producer": prod + [P.load_q()], "consumer0": cons}, n, S, 1, q=True).violation
+    assert v.kind == "deadlock" and any(b["bar"] == "q" for b in v.details["blocked"])
+    assert L.simulate({"producer": prod[:4] + [P.load_q()] + prod[4:], "consumer0": cons}, n, S, 1,
+                      q=True).violation is None                    # Q with the first lap: nothing waits on it yet
+    assert L.simulate({"producer": [P.load_q()] + prod, "consumer0": cons}, n, S, 1).violation.kind == "bad_op"
 
 
 def test_reference_passes(strict, capsys):
@@ -501,42 +622,105 @@ def no_compile(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("lines, words", [
-    ({"wait": "mbarrier.wait(empty.index(s), (j // NUM_STAGES) & 1)"},
-     ["deadlock", "inverted parity", "mbarrier.wait(empty.index(s), (j // NUM_STAGES + 1) % 2)"]),
-    ({"wait": "mbarrier.wait(empty.index(s), 1)"}, ["overwrite", "parity not flipped on wrap"]),
-    ({"wait": "mbarrier.wait(empty.index(s), (j & 1) ^ 1)"}, ["flips every tile instead of every lap"]),
-    ({"wait": "pass"}, ["overwrite", "mbarrier.wait(empty.index(s), parity) before the loads into stage s"]),
-    ({"stage": "s = (j + 1) % NUM_STAGES"}, ["the producer loads tile 0 into stage 1", "s = j % NUM_STAGES"]),
+_LOOP_WAIT = "mbarrier.wait(empty.index(s), ((j // NUM_STAGES) & 1) ^ 1"
+_Q_LINES = _PRODUCER_LINES["q"].replace("\n    ", "\n" + " " * 8)
+
+
+@pytest.mark.parametrize("lines, words, fix", [
+    ({"wait": "mbarrier.wait(empty.index(s), (j // NUM_STAGES) & 1)"}, ["deadlock", "inverted parity"],
+     "mbarrier.wait(empty.index(s), (j // NUM_STAGES + 1) % 2)"),
+    ({"wait": "mbarrier.wait(empty.index(s), 1)"}, ["overwrite", "parity not flipped on wrap"], ""),
+    ({"wait": "mbarrier.wait(empty.index(s), (j & 1) ^ 1)"}, ["flips every tile instead of every lap"], ""),
+    ({"wait": "pass"}, ["overwrite", "without waiting for the consumers to release it"],
+     "mbarrier.wait(empty.index(s), parity) before the loads into stage s"),
+    ({"stage": "s = (j + 1) % NUM_STAGES"}, ["the producer loads tile 0 into stage 1", "s = j % NUM_STAGES"], ""),
     ({"k": "tma_load(k_desc, [j * BLOCK_N, 0], full.index(s), k_smem.index(s))"},
-     ["k_desc copied from row", "kv_row is missing", "every head reads the first head's keys"]),
-    ({"expect": "mbarrier.expect(full.index(s), k_desc.block_type.nbytes)"},
-     ["expects one tile's bytes", "k_desc.block_type.nbytes + v_desc.block_type.nbytes"]),
+     ["k_desc copied from row", "kv_row is missing", "every head reads the first head's keys"], ""),
+    ({"expect": "mbarrier.expect(full.index(s), k_desc.block_type.nbytes)"}, ["expects one tile's bytes"],
+     "k_desc.block_type.nbytes + v_desc.block_type.nbytes"),
     ({"expect": "mbarrier.expect(full.index(s), 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes)"},
-     ["more than the two copies bring", "never completes"]),
-    ({"expect": "pass"}, ["no mbarrier.expect on full.index", "waits forever"]),
+     ["more than the two copies bring", "never completes"], ""),
+    ({"expect": "pass"}, ["no mbarrier.expect on full.index", "waits forever"], ""),
     ({"v": "tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(s), k_smem.index(s))"},
-     ["v_desc's tile lands in k_smem", "V_j to v_smem.index(s)"]),
+     ["v_desc's tile lands in k_smem", "V_j to v_smem.index(s)"], ""),
     ({"v": "tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(0), v_smem.index(s))"},
-     ["completes full.index(0)", "full.index(s) for k_smem.index(s)"]),
+     ["completes full.index(0)", "full.index(s) with k_smem.index(s)"], ""),
     ({"v": "tma_load(v_desc, [kv_row + (j + 1) * BLOCK_N, 0], full.index(s), v_smem.index(s))"},
-     ["stage 0 got K_0 and V_1", "one tile index j for both copies"]),
-    ({"v": "pass"}, ["but not its V", "both completing full.index(s)"]),
-    ({"q": "tma_load(q_desc, [q_row, 0], q_bar, q_smem)"}, ["q_bar expects 0 bytes", "mbarrier.expect(q_bar"]),
-    ({"q": "pass", "stage": "s = j % NUM_STAGES\n        mbarrier.expect(q_bar, q_desc.block_type.nbytes)\n"
-                            "        tma_load(q_desc, [q_row, 0], q_bar, q_smem)"},
-     ["Q was loaded", "load Q once, before the loop"]),
+     ["stage 0 got K_0 and V_1", "one tile index j for both copies"], ""),
+    ({"v": "pass"}, ["but not its V", "both completing full.index(s)"], ""),
+    ({"q": "tma_load(q_desc, [q_row, 0], q_bar, q_smem)"}, ["q_bar expects 0 bytes"], "mbarrier.expect(q_bar"),
+    ({"q": "pass", "stage": "s = j % NUM_STAGES\n        " + _Q_LINES}, ["Q was loaded", "once, before the loop"], ""),
     ({"q": "mbarrier.expect(q_bar, q_desc.block_type.nbytes)\n    tma_load(q_desc, [0, 0], q_bar, q_smem)"},
-     ["Q's TMA copy", "tma_load(q_desc, [q_row, 0], q_bar, q_smem)"]),
-    ({"wait": "mbarrier.wait(full.index(s), 0)"}, ["the producer waits on full.index", "waits only on empty"]),
-    ({"wait": "mbarrier.arrive(empty.index(s))"}, ["the producer arrives on empty.index", "never arrives"]),
-    ({"loop": "for j in range(n_tiles + 1):"}, ["copied from row"]),
-    ({"stage": "s = j % (NUM_STAGES + 1)"}, ["index(", "the stages are 0.."]),
-    ({"loop": "for j in gl.program_id(0):"}, ["the trace stopped", "gl.program_id"]),
+     ["Q's TMA copy", "q_row is missing"], "tma_load(q_desc, [q_row, 0], q_bar, q_smem)"),
+    ({"wait": "mbarrier.wait(full.index(s), 0)"}, ["the producer waits on full.index", "waits only on empty"], ""),
+    ({"wait": "mbarrier.arrive(empty.index(s))"}, ["the producer arrives on empty.index", "never arrives"], ""),
+    ({"loop": "for j in range(n_tiles + 1):"}, ["copied from row", "one tile past the last"], "range(n_tiles)"),
+    ({"stage": "s = j % (NUM_STAGES + 1)"}, ["index(", "the stages are 0.."], ""),
+    ({"loop": "for j in gl.program_id(0):"}, ["the trace stopped", "gl.program_id"], ""),
+    ({"loop": "for j in gl.range(0, n_tiles):"}, ["the trace stopped", "gl.range: "], ""),    # tl's, not Gluon's
+    # issue 37: Q's barrier, pred=, the learner's own order
+    ({"q": "pass", "v": _PRODUCER_LINES["v"] + "\n    " + _PRODUCER_LINES["q"]},
+     ["deadlock", "waits for Q (q_bar) before its first tile", "Copy Q first, before the loop"], "q_bar, q_smem"),
+    ({"wait": _LOOP_WAIT + ", pred=j > NUM_STAGES)"}, ["overwrite", "pred= was False for j = 2", "a race"], ""),
+    ({"wait": _LOOP_WAIT + ", pred=j < NUM_STAGES)"}, ["overwrite", "pred= was False for j = 2"], ""),
+    ({"v": _PRODUCER_LINES["v"][:-1] + ", pred=j < n_tiles - 1)"},
+     ["but not its V: its copy's pred= was False for tile 6", "never completes"], ""),
+    ({"expect": _PRODUCER_LINES["expect"][:-1] + ", pred=j > 0)"}, ["no mbarrier.expect", "pred= was False"], ""),
+    ({"k": "tma_load(k_desc, [kv_row + s * BLOCK_N, 0], full.index(s), k_smem.index(s))",
+      "v": "tma_load(v_desc, [kv_row + s * BLOCK_N, 0], full.index(s), v_smem.index(s))"},
+     ["the row uses the stage index s = 0, not the tile's j = 2"], "row = kv_row + j * BLOCK_N"),
+    ({"expect": "mbarrier.expect(full.index(s), k_desc.block_type.nbytes)",
+      "k": _PRODUCER_LINES["k"] + "\n        mbarrier.expect(full.index(s), v_desc.block_type.nbytes)"},
+     ["two expects on full.index(0) for tile 0", "one arrival"], "k_desc.block_type.nbytes + v_desc.block_type.nbytes"),
+    ({"expect": "mbarrier.expect(full.index(s), q_desc.block_type.nbytes)"}, ["expects q_desc's bytes"], ""),
+    ({"k": "tma_load(k_desc, [kv_row + j * BLOCK_N], full.index(s), k_smem.index(s))"},
+     ["the trace stopped", "coordinate [3072] has 1 number", "2-D"], "[row, 0]"),
+    ({"k": "tma_load(k_desc, [q_row + j * BLOCK_N, 0], full.index(s), k_smem.index(s))"},
+     ["the query block's row, not the KV head's"], "kv_row + j * BLOCK_N"),
+    ({"wait": "mbarrier.wait(empty.index(s), (j // NUM_STAGES) % 2 == 0)"}, ["phase is True", "must be an integer"], ""),
+    ({"q": "mbarrier.expect(q_bar, q_desc.block_type.nbytes, pred=q_row > 0)\n    "          # the first program
+           "tma_load(q_desc, [q_row, 0], q_bar, q_smem, pred=q_row > 0)"}, ["Q was loaded 0 times", "pred= was False"],
+     ""),
+    ({"loop": "for j in range(gl.cdiv(n_tiles, NUM_STAGES) * NUM_STAGES):", "wait": _LOOP_WAIT + ", pred=j < n_tiles)",
+      "k": _PRODUCER_LINES["k"][:-1] + ", pred=j < n_tiles)", "v": _PRODUCER_LINES["v"][:-1] + ", pred=j < n_tiles)"},
+     ["bytes that no copy brings", "the copies' pred= was False, the expect's was not"], "one predicate"),
+    ({"v": "tma_load(k_desc, [kv_row + j * BLOCK_N, 0], full.index(s), v_smem.index(s))"},
+     ["k_desc's tile lands in v_smem"], "tma_load(v_desc, [row, 0], full.index(s), v_smem.index(s))"),
 ])
-def test_producer_planted_bug_rejected(tmp_path, no_compile, lines, words):
+def test_producer_planted_bug_rejected(tmp_path, no_compile, lines, words, fix):
     rejects(check.fa3_producer, _producer(tmp_path, **lines), *words)
+    assert fix in _fix("fa3_producer")
     assert not no_compile                                  # a producer the trace rejects is never compiled
+
+
+@pytest.mark.skipif(bool(_gluon_hopper_api()), reason=_gluon_hopper_api() or "ok")
+def test_producer_with_triton_36s_tma_name_rejected_where_it_was_removed(tmp_path, no_compile):
+    from triton.experimental.gluon.language.nvidia.hopper import tma as real_tma
+    if "async_copy_global_to_shared" in T.gluon_signatures():
+        pytest.skip("this Triton still has tma.async_copy_global_to_shared")
+    assert hasattr(real_tma, "async_load")
+    old = "tma_load(k_desc,"
+    rejects(check.fa3_producer, _producer(tmp_path, k=_PRODUCER_LINES["k"].replace(old, "tma.async_copy_global_to_shared(k_desc,")),
+            "the trace stopped", "this Triton removed it", "tma.async_load")
+
+
+def _module(tmp_path, src, name="producer"):
+    """``name`` from a module of its own written from ``src`` (``@gluon.jit`` reads its source from the file)."""
+    import importlib.util as iu
+    import uuid
+    path = tmp_path / f"producer_{uuid.uuid4().hex[:8]}.py"
+    path.write_text(src)
+    spec = iu.spec_from_file_location(path.stem, path)
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return getattr(mod, name)
+
+
+def test_producer_not_a_gluon_function_or_another_signature_rejected(tmp_path, no_compile):
+    rejects(check.fa3_producer, _producer(tmp_path).fn, "is a plain Python function", "decorate it with @gluon.jit")
+    src = _PRODUCER_FILE.format(**_PRODUCER_LINES).replace("q_bar, full, empty, q_row, kv_row", "q_bar, full, empty, kv_row")
+    rejects(check.fa3_producer, _module(tmp_path, src.replace("[q_row, 0]", "[0, 0]")), "takes 13 arguments",
+            "missing: q_row")
 
 
 @pytest.mark.parametrize("lines", [
@@ -550,11 +734,79 @@ def test_producer_planted_bug_rejected(tmp_path, no_compile, lines, words):
              "            mbarrier.wait(empty.index(s), ((j // NUM_STAGES) & 1) ^ 1)"},
     {"q": "pass", "loop": "tma_load(q_desc, [q_row, 0], q_bar, q_smem)\n    "
                           "mbarrier.expect(q_bar, q_desc.block_type.nbytes)\n    for j in range(n_tiles):"},
+    # issue 37: what Gluon takes as written
+    {"q": "mbarrier.expect(q_bar, bytes_per_cta=q_desc.block_type.nbytes)\n    "           # Gluon's keyword names
+          "tma.async_load(tensor_desc=q_desc, coord=[q_row, 0], barrier=q_bar, result=q_smem)",
+     "wait": "mbarrier.wait(empty.index(s), phase=((j // NUM_STAGES) & 1) ^ 1)",
+     "expect": "mbarrier.expect(full.index(s), bytes_per_cta=k_desc.block_type.nbytes + v_desc.block_type.nbytes)",
+     "k": "tma.async_load(k_desc, [kv_row + j * BLOCK_N, 0], barrier=full.index(s), result=k_smem.index(s))"},
+    {"q": "mbarrier.expect(q_bar, q_desc.block_shape[0] * q_desc.block_shape[1] * q_desc.dtype.primitive_bitwidth "
+          "// 8)\n    " + _PRODUCER_LINES["q"].split("\n    ")[1],                           # bytes from the dtype
+     "expect": "mbarrier.expect(full.index(s), k_desc.nbytes_per_cta + v_desc.nbytes_per_cta)"},
+    {"q": _PRODUCER_LINES["q"].replace("mbarrier.", "gl.nvidia.hopper.mbarrier.").replace("tma_load", "gl.nvidia.hopper.tma.async_load"),
+     "wait": "gl.nvidia.hopper." + _PRODUCER_LINES["wait"]},                                     # the full module path
+    {"wait": _LOOP_WAIT.replace("((j // NUM_STAGES) & 1) ^ 1", "(j // NUM_STAGES - 1) & 1") + ", pred=j >= NUM_STAGES)"},
+    {"loop": "for j in range(gl.cdiv(n_tiles, NUM_STAGES) * NUM_STAGES):",            # whole laps, pred=
+     "stage": "s = j % NUM_STAGES\n        live = j < n_tiles", "wait": _LOOP_WAIT + ", pred=live)",
+     "expect": _PRODUCER_LINES["expect"][:-1] + ", pred=live)", "k": _PRODUCER_LINES["k"][:-1] + ", pred=live)",
+     "v": _PRODUCER_LINES["v"][:-1] + ", pred=live)"},
+    {"q": "pass", "v": _PRODUCER_LINES["v"] + "\n        if j == 0:\n            " +              # Q with tile 0
+                       _PRODUCER_LINES["q"].replace("\n    ", "\n            ")},
+    {"k": "tma_load(k_desc, (kv_row + j * k_desc.block_type.shape[0], 0), full.index(s), k_smem.index(s))"},
 ])
 def test_producer_written_another_way_passes(tmp_path, no_compile, strict, capsys, lines):
     check.fa3_producer(_producer(tmp_path, **lines))
     out = capsys.readouterr().out
     assert "✅ fa3_producer" in out and "compiles for sm_90" in out and len(no_compile) == 1
+
+
+_OWN_HELPER = """from helpers.lesson11.gluon import gluon, gl, mbarrier, tma, tma_load
+import triton.experimental.gluon.language.nvidia.hopper as hopper
+
+TILES_PER_STAGE: gl.constexpr = gl.constexpr(1)
+
+
+@gluon.jit
+def _copy_tile(k_desc, v_desc, row, bar, k_dest, v_dest):
+    mbarrier.expect(bar, bytes_per_cta=k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [row, 0], bar, k_dest)
+    hopper.tma.async_load(v_desc, [row, 0], barrier=bar, result=v_dest)
+
+
+@gluon.jit
+def producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, full, empty, q_row, kv_row, n_tiles,
+             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    gl.nvidia.hopper.mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma_load(q_desc, [q_row, 0], q_bar, q_smem)
+    for j in range(n_tiles):
+        s = j % NUM_STAGES
+        mbarrier.wait(empty.index(s), ((j // (NUM_STAGES * TILES_PER_STAGE)) & 1) ^ 1)
+        _copy_tile(k_desc, v_desc, kv_row + j * BLOCK_N, full.index(s), k_smem.index(s), v_smem.index(s))
+"""
+
+
+@pytest.mark.skipif(bool(_gluon_hopper_api()), reason=_gluon_hopper_api() or "ok")
+def test_producer_with_its_own_jit_helper_and_the_hopper_module_passes(tmp_path, no_compile, strict, capsys):
+    """A @gluon.jit helper of the learner's own, the Hopper module under its own name, Gluon's keyword names, a
+    constexpr global: traced as Gluon runs them; the module the compile rebuilds carries each of them."""
+    p = _module(tmp_path, _OWN_HELPER)
+    check.fa3_producer(p)
+    assert "✅ fa3_producer" in capsys.readouterr().out
+    src = T.producer_module_source(p)
+    for line in ("import triton.experimental.gluon.language.nvidia.hopper as hopper",
+                 "TILES_PER_STAGE = _gl_.constexpr(1)", "@_gluon_.jit\ndef _copy_tile(",
+                 "@_gluon_.jit\ndef producer(", "import triton.experimental.gluon.language as gl"):
+        assert line in src, (line, src)
+    assert src.index("def _copy_tile(") < src.index("def producer(")
+
+
+def test_producer_trace_binds_gluons_own_signatures():
+    """The trace's copies of Gluon's signatures are the installed Triton's (where it has Gluon)."""
+    if _gluon_hopper_api():
+        pytest.skip(_gluon_hopper_api())
+    here = T.gluon_signatures()
+    for name, sig in T._SIGNATURES.items():
+        assert str(here[name]) == str(sig), (name, here[name], sig)
 
 
 def test_producer_with_a_running_stage_and_phase_passes(tmp_path, no_compile, strict):
@@ -579,7 +831,7 @@ def test_producer_with_a_running_stage_and_phase_passes(tmp_path, no_compile, st
 
 def test_producer_stub_is_not_attempted(tmp_path, no_compile, not_strict, capsys):
     check.fa3_producer(_producer(tmp_path, body="    raise NotImplementedError('fa3_producer: replace this line')\n"))
-    assert "⏳ fa3_producer: not attempted yet" in capsys.readouterr().out
+    assert "⏳ fa3_producer not attempted yet" in capsys.readouterr().out
 
 
 def test_producer_traces_without_triton(tmp_path, monkeypatch, strict, capsys):
@@ -597,36 +849,125 @@ def test_producer_traces_without_triton(tmp_path, monkeypatch, strict, capsys):
             "inverted parity")
 
 
-def test_producer_on_hopper_runs_natively(tmp_path, monkeypatch, strict, capsys):
-    """On an sm_90 GPU the checker runs the kernel with the producer (here the self-test is a stand-in that
-    returns its rows); a failing case is a verdict naming it."""
-    import helpers.kernels.gluon_forward as G
-    monkeypatch.setattr(H, "hopper_here", lambda: "")
-    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H200")
-    seen = {}
+# The native run's child, replaced by stand-ins (no GPU needed): "rows" cases, then "then": done, hang or crash.
+_STAND_IN_CHILD = """
+import json, os, subprocess, sys, time
+open(os.environ["PID_FILE"], "w").write(str(os.getpid()))
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])     # the group goes too
+open(os.environ["PID_FILE"] + ".2", "w").write(str(grandchild.pid))
+print("START " + json.dumps({"gpu": "NVIDIA H200"}), flush=True)
+rows = json.loads(os.environ["ROWS"])
+for row in rows:
+    print("ROW " + json.dumps(row), flush=True)
+then = os.environ["THEN"]
+if then == "hang":
+    time.sleep(120)
+if then == "crash":
+    sys.exit("RuntimeError: CUDA error: an illegal memory access was encountered")
+print("DONE " + json.dumps({"cases": len(rows), "worst": 3e-3, "ok": all(r["ok"] for r in rows)}), flush=True)
+"""
 
-    def selftest(**kw):
-        seen.update(kw)
-        return {"cases": 2, "worst": 3e-3, "ok": True, "rows": [{"ok": True}, {"ok": True}]}
-    monkeypatch.setattr(G, "gluon_forward_selftest", selftest)
+
+def _native_stand_in(monkeypatch, tmp_path, rows, then="done", timeout="2"):
+    import json
+    monkeypatch.setattr(H, "hopper_here", lambda: "")
+    monkeypatch.setattr(T, "_NATIVE_CHILD", _STAND_IN_CHILD)
+    for k, v in (("PID_FILE", str(tmp_path / "child.pid")), ("ROWS", json.dumps(rows)), ("THEN", then),
+                 ("COURSE_NATIVE_TIMEOUT", timeout)):
+        monkeypatch.setenv(k, v)
+    return tmp_path / "child.pid"
+
+
+def _wait_gone(pid_file):
+    """True once the stand-in child's grandchild is gone (within 5 s)."""
+    import time
+    pid = int((pid_file.parent / (pid_file.name + ".2")).read_text())
+    for _ in range(50):
+        if _gone(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _gone(pid):
+    import os
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_producer_on_hopper_runs_natively_in_a_child(tmp_path, monkeypatch, strict, capsys):
+    """On an sm_90 GPU the checker runs the kernel with the producer in a child process (here a stand-in that
+    reports its rows); a failing case is a verdict naming it."""
+    ok = {"ok": True, "d": 64, "shape": [1, 2, 2, 9, 9], "causal": False, "err": 1e-3, "bound": 1e-2}
+    _native_stand_in(monkeypatch, tmp_path, [ok, ok])
     p = _producer(tmp_path)
     check.fa3_producer(p)
-    assert "matches float64 in 2 cases" in capsys.readouterr().out and seen["producer"] is p
-    monkeypatch.setattr(G, "gluon_forward_selftest", lambda **kw: {"cases": 2, "worst": 1.0, "ok": False, "rows": [
-        {"ok": True}, {"ok": False, "d": 128, "shape": (1, 8, 2, 300, 333), "causal": "top_left", "err": 0.5,
-                       "bound": 0.01}]})
+    assert "on this NVIDIA H200 the 'ws' kernel with your producer matches float64 in 2 cases" in \
+        capsys.readouterr().out
+    bad = {"ok": False, "d": 128, "shape": [1, 8, 2, 300, 333], "causal": "top_left", "err": 0.5, "bound": 0.01}
+    _native_stand_in(monkeypatch, tmp_path, [ok, bad])
     rejects(check.fa3_producer, p, "fails 1 of 2 cases", "(1, 8, 2, 300, 333)", "5.00e-01 > bound")
+    pid_file = _native_stand_in(monkeypatch, tmp_path, [ok], then="crash")
+    rejects(check.fa3_producer, p, "stopped its process after 1 case", "illegal memory access")
+    assert _wait_gone(pid_file)
+
+
+def test_producer_native_run_that_hangs_is_killed_with_a_verdict(tmp_path, monkeypatch):
+    """Issue 37: a kernel that never finishes must not freeze the notebook. The child (and its process group) is
+    killed once a case runs past COURSE_NATIVE_TIMEOUT, and the verdict says it did not finish."""
+    import time
+    ok = {"ok": True, "d": 64, "shape": [1, 2, 2, 9, 9], "causal": False, "err": 1e-3, "bound": 1e-2}
+    pid_file = _native_stand_in(monkeypatch, tmp_path, [ok], then="hang", timeout="2")
+    t0 = time.monotonic()
+    rejects(check.fa3_producer, _producer(tmp_path), "did not finish", "after 1 case", "past 2 s",
+            "killed its process", "likely deadlock")
+    assert time.monotonic() - t0 < 2 + 20                  # the limit, plus the trace's own time
+    child, grandchild = int(pid_file.read_text()), int((tmp_path / "child.pid.2").read_text())
+    for _ in range(50):
+        if _gone(child) and _gone(grandchild):
+            break
+        time.sleep(0.1)
+    assert _gone(child) and _gone(grandchild)
+
+
+def _on_hopper():
+    return H.hopper_here()
+
+
+@pytest.mark.skipif(bool(_on_hopper()), reason="needs an sm_90 GPU (bench/check_gpu.py runs this file on one)")
+def test_producer_runs_natively_on_hopper_and_a_deadlock_is_killed(tmp_path, strict, capsys, monkeypatch):
+    """On an H100/H200, for real: the course's producer passes; a producer that deadlocks (an inverted parity,
+    given to the native run directly: the trace would reject it) is killed after the limit; the next run passes."""
+    import time
+    monkeypatch.setenv("COURSE_NATIVE_TIMEOUT", "120")
+    good = _producer(tmp_path)
+    check.fa3_producer(good)
+    assert "matches float64" in capsys.readouterr().out
+    t0 = time.monotonic()
+    hung = T.run_producer_natively(_producer(tmp_path, wait="mbarrier.wait(empty.index(s), (j // NUM_STAGES) & 1)"),
+                                   timeout=30)
+    assert hung.get("timeout") == 30 and time.monotonic() - t0 < 30 + 150, hung
+    again = T.run_producer_natively(good)
+    assert again.get("ok") and "timeout" not in again and len(again["rows"]) == again["cases"], again
 
 
 @pytest.mark.skipif(bool(_gluon_hopper_api()), reason=_gluon_hopper_api() or "ok")
 def test_producer_compiles_for_sm90_or_says_why_not(tmp_path):
-    """The compile in a child process, for real: the course's lines compile; a name the notebook had but the
-    child does not is the compiler's one-line reason."""
-    good = L.compile_producer_for_sm90(_producer(tmp_path))
+    """The compile in a child process, for real: a producer with its own @gluon.jit helper, the Hopper module under
+    its own name, Gluon's keyword names and a constexpr global compiles as written (the child rebuilds its module
+    from the sources); a name the notebook had but the child does not is the compiler's one-line reason."""
+    from helpers.lesson11 import check as C
+    good = L.compile_producer_for_sm90(_module(tmp_path, _OWN_HELPER))
     assert good == {"ok": True, "ptx": ["cp.async.bulk.tensor", "mbarrier.try_wait.parity",
                                         "mbarrier.arrive.expect_tx"]}, good
     bad = L.compile_producer_for_sm90(_producer(tmp_path, stage="s = j % STAGES_FROM_THE_NOTEBOOK"))
     assert not bad["ok"] and "STAGES_FROM_THE_NOTEBOOK" in bad["error"], bad
+    assert "not in the module the compile rebuilds" in C._compile_hint(bad["error"])
+    assert "tma.async_load" in C._compile_hint("RuntimeError: async_copy_global_to_shared has been removed; call "
+                                               "async_load instead")
 
 
 def test_gluon_forward_takes_only_a_gluon_producer_for_ws():

@@ -118,7 +118,7 @@ def block_mask_vectorised(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
 
 
 def block_mask_with(full_as_partial=False, partial_skipped=False, partial_as_full=False, clip=False, one_more=False,
-                    corners=False, descending=False, no_clip=False, both=False, as_float=False, swap=False):
+                    corners=False, descending=False, no_clip=False, both=False, as_float=False, swap=False, sample=None):
     def build_block_mask(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
         Tq, Tk = -(-N // BLOCK_M), -(-Nk // BLOCK_N)
         part, full = [], []
@@ -135,6 +135,11 @@ def block_mask_with(full_as_partial=False, partial_skipped=False, partial_as_ful
                     ragged = keep.numel() < BLOCK_M * BLOCK_N
                     keep = keep[[0, -1]][:, [0, -1]]
                     whole = -1 if ragged else 4
+                if sample:                    # some of the tile's pairs decide: its border, or its first and last rows
+                    ragged = keep.numel() < BLOCK_M * BLOCK_N
+                    keep = torch.cat([keep[0], keep[-1], keep[:, 0], keep[:, -1]]) if sample == "border" else \
+                        keep[[0, -1]].flatten() if sample == "rows" else keep[:, [0, -1]].flatten()
+                    whole = -1 if ragged else keep.numel()
                 n = int(keep.sum())
                 if n == 0:
                     continue
@@ -178,6 +183,113 @@ def test_block_mask_bugs_are_named(knobs, words):
     rejects(check.build_block_mask, block_mask_with(**knobs), *words)
 
 
+def block_mask_intervals(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
+    """Wrong in general: each row's visible keys taken as one interval [first, last], vectorised."""
+    keep = mask_mod(0, 0, torch.arange(N)[:, None], torch.arange(Nk)[None, :]).expand(N, Nk)
+    cols = torch.arange(Nk)[None, :].expand(N, Nk)
+    lo, hi = torch.where(keep, cols, Nk).amin(1), torch.where(keep, cols, -1).amax(1)
+    Tq, Tk = -(-N // BLOCK_M), -(-Nk // BLOCK_N)
+    part, full = [], []
+    for a in range(Tq):
+        r = slice(a * BLOCK_M, min((a + 1) * BLOCK_M, N))
+        p, f = [], []
+        for c in range(Tk):
+            c0, c1 = c * BLOCK_N, min((c + 1) * BLOCK_N, Nk) - 1
+            whole = (r.stop - r.start, c1 - c0 + 1) == (BLOCK_M, BLOCK_N)
+            if whole and bool(((lo[r] <= c0) & (hi[r] >= c1)).all()):
+                f.append(c)
+            elif bool(((lo[r] <= c1) & (hi[r] >= c0)).any()):
+                p.append(c)
+        part.append(p)
+        full.append(f)
+
+    def pack(rows):
+        return (torch.tensor([len(x) for x in rows], dtype=torch.int32),
+                torch.tensor([x + [c for c in range(Tk) if c not in x] for x in rows], dtype=torch.int32))
+    return (*pack(part), *pack(full))
+
+
+def block_mask_numpy(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
+    """Right, in numpy: per-tile counts with np.add.reduceat over the mask, lists with a stable argsort."""
+    import numpy as np
+    keep = mask_mod(0, 0, torch.arange(N)[:, None], torch.arange(Nk)[None, :]).expand(N, Nk).numpy()
+    counts = np.add.reduceat(np.add.reduceat(keep.astype(np.int64), np.arange(0, N, BLOCK_M), axis=0),
+                             np.arange(0, Nk, BLOCK_N), axis=1)
+    full = counts == BLOCK_M * BLOCK_N
+    out = []
+    for d in ((counts > 0) & ~full, full):
+        out += [torch.from_numpy(d.sum(1).astype(np.int32)), torch.from_numpy(np.argsort(~d, axis=1, kind="stable")
+                                                                             .astype(np.int32))]
+    return tuple(out)
+
+
+def block_mask_python_pairs(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
+    """Right, pair by pair on Python ints (the cases' masks take ints too)."""
+    Tq, Tk = -(-N // BLOCK_M), -(-Nk // BLOCK_N)
+    seen = [[0] * Tk for _ in range(Tq)]
+    for i in range(N):
+        for j in range(Nk):
+            seen[i // BLOCK_M][j // BLOCK_N] += bool(mask_mod(0, 0, i, j))
+    cls = torch.tensor([[0 if n == 0 else 1 if n == BLOCK_M * BLOCK_N else 2 for n in row] for row in seen])
+    out = []
+    for want in (2, 1):
+        d = cls == want
+        out += [d.sum(1).int(), torch.sort(d.int(), dim=1, descending=True, stable=True)[1].int()]
+    return tuple(out)
+
+
+def test_block_mask_multi_run_masks_written_other_ways_pass(strict, capsys):
+    """Issue 37's cases (a row sees several runs of keys) take every correct style: numpy, Python ints."""
+    check.build_block_mask(block_mask_numpy)
+    check.build_block_mask(block_mask_python_pairs)
+    assert capsys.readouterr().out.count("✅ build_block_mask") == 2
+
+
+@pytest.mark.parametrize("fn, words", [
+    (block_mask_with(sample="border"), ["classified from some of its pairs (its border", "several runs of keys"]),
+    (block_mask_with(sample="rows"), ["classified from some of its pairs (its first and last rows)"]),
+    (block_mask_with(sample="columns"), ["classified from some of its pairs (its first and last key columns)"]),
+    (block_mask_intervals, ["each row's first and last visible key, as one interval"]),
+])
+def test_block_mask_shortcuts_that_hold_for_one_interval_masks_only_are_named(fn, words):
+    """Issue 37: tile tests right while each row sees one interval of keys (every case before) are caught by the
+    masks where a row sees several runs, each with its own hint; the exact count in the fix."""
+    msg = rejects(check.build_block_mask, fn, *words)
+    assert "runs of keys" in msg or "several runs" in msg
+    from helpers import checking
+    assert "int(keep.sum())" in checking._LAST_FIX["build_block_mask"][1]
+
+
+def test_block_mask_raising_gets_the_hint_of_what_it_raised():
+    """Issue 37: the clip hint for an index past the sequence only; the learner's own ValueError and an empty
+    torch.stack are told what they are."""
+    def refuses(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
+        if N % BLOCK_M or Nk % BLOCK_N:
+            raise ValueError("N must be a multiple of BLOCK_M")
+        return L.build_block_mask_ref(mask_mod, N, Nk, BLOCK_M, BLOCK_N)
+    msg = rejects(check.build_block_mask, refuses, "raised ValueError", "your function raised it itself",
+                  "need not be multiples")
+    assert "clip the ragged" not in msg
+
+    def stacks(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
+        a, b, c, d = L.build_block_mask_ref(mask_mod, N, Nk, BLOCK_M, BLOCK_N)
+        rows = [torch.stack([x for x in r[:int(n)]]) for r, n in zip(d, c)]
+        return a, b, c, torch.stack([torch.cat([r, x[int(n):]]) for r, x, n in zip(rows, d, c)])
+    rejects(check.build_block_mask, stacks, "stack expects a non-empty TensorList", "torch.stack of an empty list")
+
+
+def test_block_mask_block_sizes_swapped_or_one_too_many():
+    def swapped(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
+        return L.build_block_mask_ref(mask_mod, N, Nk, BLOCK_N, BLOCK_M)
+    rejects(check.build_block_mask, swapped, "counted with BLOCK_N", "the two are swapped")
+
+    def floor_plus_one(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
+        Tk = Nk // BLOCK_N + 1
+        a, b, c, d = L.build_block_mask_ref(mask_mod, N, Tk * BLOCK_N, BLOCK_M, BLOCK_N)
+        return a, b, c, d
+    rejects(check.build_block_mask, floor_plus_one, "one block too many", "ceil(Nk / BLOCK_N) = 3")
+
+
 def test_block_mask_dropping_the_ragged_block():
     def floor_blocks(mask_mod, N, Nk, BLOCK_M=4, BLOCK_N=3):
         return tuple(t[:N // BLOCK_M] for t in L.build_block_mask_ref(mask_mod, N, Nk, BLOCK_M, BLOCK_N))
@@ -210,7 +322,7 @@ def test_block_mask_index_out_of_range():
 
 
 # ------------------------------------------------------------------ flash_attn_block_sparse with knobs for bugs
-def block_sparse_with(bug=None):
+def block_sparse_with(bug=None):  # noqa: C901 - one loop, one switch per planted bug
     """The tile loop written with merged, ascending tiles (another order than the reference), with one bug."""
     def flash_attn_block_sparse(q, k, v, block_mask, mask_mod, score_mod=None, BLOCK_M=4, BLOCK_N=3, h=0):
         kv_num, kv_idx, full_num, full_idx = block_mask
@@ -220,6 +332,10 @@ def block_sparse_with(bug=None):
         scale = 1 / math.sqrt(d)
         hm = 0 if bug == "h0" else h
         O, lse = torch.zeros(N, v.shape[1], dtype=q.dtype), torch.zeros(N, dtype=q.dtype)
+        if bug == "no_scale":
+            scale = 1.0
+        dense = (q @ k.T if bug == "dense_s" else torch.from_numpy(q.numpy() @ k.numpy().T) if bug == "dense_np"
+                 else None)
         for a in range(-(-N // BLOCK_M)):
             i0 = a * BLOCK_M
             Qi = q[i0:i0 + BLOCK_M]
@@ -228,6 +344,8 @@ def block_sparse_with(bug=None):
             m, l, acc = torch.full((br,), -math.inf), torch.zeros(br), torch.zeros(br, v.shape[1])
             partial = set(kv_idx[a, :int(kv_num[a])].tolist())
             visit = sorted(partial | set(full_idx[a, :int(full_num[a])].tolist()))
+            if bug in ("partial_only", "full_only"):
+                visit = [c for c in visit if (c in partial) == (bug == "partial_only")]
             if bug == "every_tile":
                 visit, partial = list(range(-(-Nk // BLOCK_N))), set(range(-(-Nk // BLOCK_N)))
             for c in visit:
@@ -235,7 +353,7 @@ def block_sparse_with(bug=None):
                 Kj = k[j0:j0 + BLOCK_N]
                 cols = torch.arange(j0, j0 + Kj.shape[0])[None, :]
                 qi_, kj_ = (rows - i0, cols - j0) if bug == "local_idx" else (rows, cols)
-                qk = Qi @ Kj.T
+                qk = Qi @ Kj.T if dense is None else dense[i0:i0 + br, j0:j0 + Kj.shape[0]]
                 S = qk * scale
                 is_partial = c in partial or bug == "mask_full"
                 if bug == "before_scale":
@@ -246,18 +364,28 @@ def block_sparse_with(bug=None):
                     pass
                 elif not (bug == "full_unmodded" and not is_partial):
                     S = sm(S, 0, hm, qi_, kj_)
+                    if bug == "twice" and is_partial:
+                        S = sm(S, 0, hm, qi_, kj_)
                 if is_partial and bug not in ("no_partial_mask", "mask_first"):
-                    S = S.masked_fill(~mask_mod(0, h, rows, cols), -math.inf)
+                    keep = mask_mod(0, h, cols, rows) if bug == "mask_swapped" else mask_mod(0, h, rows, cols)
+                    S = S.masked_fill(~keep, -math.inf)
                 m_new = torch.maximum(m, S.amax(1))
                 ms = torch.where(torch.isneginf(m_new), 0.0, m_new) if bug != "unsafe" else m_new
                 P = torch.exp(sm(S - ms[:, None], 0, hm, qi_, kj_)) if bug == "after_max" else torch.exp(S - ms[:, None])
-                alpha = torch.exp(m - ms)
+                alpha = torch.exp(m - ms) if bug != "tile_softmax" else torch.zeros_like(m)
                 l, acc, m = alpha * l + P.sum(1), alpha[:, None] * acc + P @ v[j0:j0 + BLOCK_N], m_new
             if bug == "unsafe":
                 O[i0:i0 + br], lse[i0:i0 + br] = acc / l[:, None], m + torch.log(l)
             else:
-                O[i0:i0 + br] = torch.where(l[:, None] > 0, acc / l.clamp_min(1e-30)[:, None], 0.0)
+                O[i0:i0 + br] = acc if bug == "no_divide" else \
+                    torch.where(l[:, None] > 0, acc / l.clamp_min(1e-30)[:, None], 0.0)
                 lse[i0:i0 + br] = torch.where(l > 0, m + torch.log(l), -math.inf)
+                if bug == "lse_base2":
+                    lse[i0:i0 + br] = lse[i0:i0 + br] / math.log(2)
+                if bug == "lse_is_m":
+                    lse[i0:i0 + br] = m
+                if bug == "lse_log_l":
+                    lse[i0:i0 + br] = torch.where(l > 0, torch.log(l), -math.inf)
         return O, lse
     return flash_attn_block_sparse
 
@@ -279,6 +407,19 @@ def test_block_sparse_written_another_way_passes(strict, capsys):
     ("unsafe", ["NaN", "safe max"]),
     ("every_tile", ["mask_mod was evaluated on", "partial tiles hold"]),
     ("mask_full", ["mask_mod was evaluated on", "a full tile"]),
+    # issue 37: the dense scores named as such, and a bug model for each recipe hint
+    ("dense_s", ["as large as the 48 x 48 score matrix", "you computed the 48 x 48 scores"]),
+    ("dense_np", ["np.matmul", "you computed the 48 x 48 scores"]),
+    ("partial_only", ["the full tiles were not visited"]),
+    ("full_only", ["the partial tiles were not visited"]),
+    ("no_scale", ["the scores were not scaled"]),
+    ("twice", ["applied twice on the partial tiles"]),
+    ("mask_swapped", ["on the partial tiles you swapped them"]),
+    ("tile_softmax", ["each tile's softmax replaced the running state"]),
+    ("no_divide", ["O was never divided by l"]),
+    ("lse_base2", ["lse is in base 2"]),
+    ("lse_is_m", ["lse is the running max alone"]),
+    ("lse_log_l", ["lse is log(l) alone"]),
 ])
 def test_block_sparse_bugs_are_named(bug, words):
     rejects(check.flash_attn_block_sparse, block_sparse_with(bug), *words)
@@ -308,6 +449,40 @@ def test_block_sparse_dense_scores_rejected():
     rejects(check.flash_attn_block_sparse, dense, "mask_mod was evaluated on")
 
 
+def test_block_sparse_idea_comes_before_the_values():
+    """Wrong in both (the dense scores, and a missing scale): the verdict is about the idea."""
+    def dense_and_unscaled(q, k, v, block_mask, mask_mod, score_mod=None, BLOCK_M=4, BLOCK_N=3, h=0):
+        O, lse = L.attention_mods_ref(q * math.sqrt(q.shape[1]), k, v, mask_mod, score_mod, h=h)
+        return O.to(q.dtype), lse.to(q.dtype)
+    rejects(check.flash_attn_block_sparse, dense_and_unscaled, "the work, metered")
+
+
+def test_block_sparse_filler_and_transposed_o_named():
+    def filler(q, k, v, block_mask, mask_mod, score_mod=None, BLOCK_M=4, BLOCK_N=3, h=0):
+        kv_num, kv_idx, full_num, full_idx = block_mask
+        Tk = kv_idx.shape[1]
+        full = L.classes_from_block_mask(*block_mask, Tk=Tk) == L.FULL
+        every = torch.tensor([Tk - int(full[a].sum()) for a in range(kv_idx.shape[0])], dtype=kv_num.dtype)
+        idx = torch.stack([torch.tensor([c for c in range(Tk) if not full[a, c]] + [c for c in range(Tk) if full[a, c]],
+                                        dtype=kv_idx.dtype) for a in range(kv_idx.shape[0])])
+        return L.flash_attn_block_sparse_ref(q, k, v, (every, idx, full_num, full_idx), mask_mod, score_mod, BLOCK_M,
+                                             BLOCK_N, h)
+    rejects(check.flash_attn_block_sparse, filler, "every tile but the full ones", "the rest of the row is filler")
+
+    def both_counts(q, k, v, block_mask, mask_mod, score_mod=None, BLOCK_M=4, BLOCK_N=3, h=0):
+        kv_num, kv_idx, full_num, full_idx = block_mask
+        every = kv_num + full_num                        # kv_indices read up to both counts, full list unread
+        return L.flash_attn_block_sparse_ref(q, k, v, (every, kv_idx, torch.zeros_like(full_num), full_idx), mask_mod,
+                                             score_mod, BLOCK_M, BLOCK_N, h)
+    rejects(check.flash_attn_block_sparse, both_counts, "as many as the 13 partial and the 5 full tiles hold",
+            "read past kv_num_blocks[a]")
+
+    def transposed(q, k, v, block_mask, mask_mod, score_mod=None, BLOCK_M=4, BLOCK_N=3, h=0):
+        O, lse = L.flash_attn_block_sparse_ref(q, k, v, block_mask, mask_mod, score_mod, BLOCK_M, BLOCK_N, h)
+        return O.T.contiguous(), lse
+    rejects(check.flash_attn_block_sparse, transposed, "transposed", "a row per query")
+
+
 def test_block_sparse_changing_inputs_or_none():
     def scales_q(q, k, v, block_mask, mask_mod, score_mod=None, BLOCK_M=4, BLOCK_N=3, h=0):
         q.mul_(1.5)
@@ -331,7 +506,9 @@ def test_block_sparse_nan_output():
 # ------------------------------------------------------------------ softcap_grad
 def test_softcap_grad_another_way_passes(strict, capsys):
     check.softcap_grad(lambda s, dT, cap: dT / torch.cosh(s / cap) ** 2)     # sech^2 = 1 - tanh^2
-    assert "✅ softcap_grad" in capsys.readouterr().out
+    check.softcap_grad(lambda s, dT, cap: dT * 4 / (torch.exp((s / cap).abs()) + torch.exp(-(s / cap).abs())) ** 2)
+    check.softcap_grad(lambda s, dT, cap: dT * 4 * torch.sigmoid(2 * s / cap) * torch.sigmoid(-2 * s / cap))
+    assert capsys.readouterr().out.count("✅ softcap_grad") == 3
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -343,6 +520,21 @@ def test_softcap_grad_another_way_passes(strict, capsys):
     (lambda s, dT, cap: dT * (1 - torch.tanh(torch.tanh(s / cap)) ** 2), ["tanh(T / cap) is not"]),
     (lambda s, dT, cap: None, ["returned None"]),
     (lambda s, dT, cap: dT * (1 - torch.tanh(s / cap) ** 2) * (s - s + 1), ["NaN", "s = -inf"]),   # -inf - -inf
+    # issue 37: forms that overflow float32 where s / cap is large, and a model for each formula hint
+    (lambda s, dT, cap: dT * 4 * torch.exp(2 * s / cap) / (torch.exp(2 * s / cap) + 1) ** 2,
+     ["scores up to 100 times the cap", "NaN where s / cap is large", "overflows float32"]),
+    (lambda s, dT, cap: dT * (1 - ((torch.exp(2 * s / cap) - 1) / (torch.exp(2 * s / cap) + 1)) ** 2),
+     ["NaN where s / cap is large", "inf / inf"]),
+    (lambda s, dT, cap: dT * (1 - torch.tanh(s) ** 2), ["tanh(s) without the cap"]),
+    (lambda s, dT, cap: dT * (1 - torch.tanh(s * cap) ** 2), ["tanh(s * cap)"]),
+    (lambda s, dT, cap: dT * (1 + torch.tanh(s / cap) ** 2), ["1 + tanh^2", "a sign"]),
+    (lambda s, dT, cap: dT / torch.cosh(s / cap), ["sech, not sech^2"]),
+    (lambda s, dT, cap: dT * torch.sqrt(1 - torch.tanh(s / cap) ** 2), ["sech, not sech^2", "a square root"]),
+    (lambda s, dT, cap: s * (1 - torch.tanh(s / cap) ** 2), ["by dT, the upstream gradient, not by s"]),
+    (lambda s, dT, cap: cap * torch.tanh(s / cap), ["that is the forward"]),
+    (lambda s, dT, cap: dT / (1 + (s / cap) ** 2), ["arctan's derivative"]),
+    (lambda s, dT, cap: torch.where(s > 0, dT * (1 - torch.tanh(s / cap) ** 2), 0.0), ["every negative score"]),
+    (lambda s, dT, cap: (dT * (1 - torch.tanh(s / cap) ** 2)).flatten(), ["expected s's", "elementwise"]),
 ])
 def test_softcap_grad_bugs_are_named(fn, words):
     rejects(check.softcap_grad, fn, *words)

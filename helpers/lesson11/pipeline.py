@@ -14,11 +14,13 @@ PTX ISA, ``mbarrier.try_wait.parity`` (the phase-parity rule simulated here).
 """
 from __future__ import annotations
 
+import operator
 import random
 from dataclasses import dataclass, field
 
-__all__ = ["wait_full", "wait_empty", "load", "compute", "release", "agents", "expected_parity", "Violation",
-           "Run", "PROFILES", "simulate", "first_violation", "fa3_schedule_ref", "random_cases"]
+__all__ = ["wait_full", "wait_empty", "load", "compute", "release", "load_q", "wait_q", "agents", "expected_parity",
+           "Violation", "Run", "PROFILES", "checked", "simulate", "first_violation", "fa3_schedule_ref",
+           "random_cases"]
 
 
 # ------------------------------------------------------------------ the operations of a schedule
@@ -46,6 +48,18 @@ def compute(s: int, j: int) -> tuple:
 def release(s: int) -> tuple:
     """Consumer: arrive on empty[s] (this consumer is done reading stage s)."""
     return ("release", s)
+
+
+def load_q() -> tuple:
+    """Producer, in the Gluon exercise's replay: issue Q's TMA load (it lands in issue order with the other loads,
+    and then completes q_bar's first phase). ``fa3_schedule`` has no Q: ``simulate(..., q=True)`` only."""
+    return ("load_q",)
+
+
+def wait_q() -> tuple:
+    """Consumer, in the Gluon exercise's replay: wait until Q has landed (q_bar's phase of parity 0), as the "ws"
+    kernel's consumer partition does before its first tile."""
+    return ("wait", "q", 0, 0)
 
 
 def agents(num_consumers: int) -> list[str]:
@@ -116,10 +130,11 @@ def _check_shape(schedule, num_consumers):
     if not isinstance(schedule, dict):
         return Violation("bad_schedule", "", -1, None,
                          f"the schedule must be a dict {{agent: list of ops}}, got a {type(schedule).__name__}")
-    if sorted(schedule) != sorted(names):
+    if set(schedule) != set(names):                    # keys of any type: ints, strings, both
+        keys = [k for k in schedule]
         return Violation("bad_schedule", "", -1, None,
-                         f"the schedule's agents are {sorted(schedule)}, expected {names} "
-                         f"(num_consumers = {num_consumers})")
+                         f"the schedule's agents are {keys}, expected {names} (num_consumers = {num_consumers})",
+                         dict(keys=keys, int_keys=any(not isinstance(k, str) for k in keys)))
     for a in names:
         if not isinstance(schedule[a], (list, tuple)):
             return Violation("bad_schedule", a, -1, None,
@@ -127,52 +142,89 @@ def _check_shape(schedule, num_consumers):
     return None
 
 
-def _check_op(agent, i, op, num_stages, num_tiles):
-    """A Violation for an op that is malformed, out of range, or not this agent's to do, else None."""
-    def bad(msg):
-        return Violation("bad_op", agent, i, op if isinstance(op, tuple) else None, msg)
+def _integer(x):
+    """``x`` as a Python int when it is an integer of any kind (int, bool, a numpy integer, an integer tensor of one
+    element), else None. ``phase = not phase`` and ``np.arange`` give right schedules."""
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
+_FIELDS = {"wait": ("stage", "parity"), "load": ("stage", "tile"), "compute": ("stage", "tile"), "release": ("stage",)}
+
+
+def _check_op(agent, i, op, num_stages, num_tiles, q=False):
+    """A Violation for an op that is malformed, out of range, or not this agent's to do, else None. Its ``details``
+    say which: ``why`` in not_an_op, not_mine, not_an_integer (with ``field`` and ``value``), parity, stage, tile."""
+    def bad(msg, why, **details):
+        return Violation("bad_op", agent, i, op if isinstance(op, tuple) else None, msg, dict(why=why, **details))
     if not isinstance(op, tuple) or not op:
         return bad(f"op {i} of {agent} is {op!r}: ops are tuples made by wait_full, wait_empty, load, compute, "
-                   "release")
-    numbers = op[2:] if op[0] == "wait" else op[1:]
-    if any(isinstance(x, bool) or not isinstance(x, int) for x in numbers):
-        return bad(f"op {i} of {agent} is {op!r}: stages, tiles and parities are Python ints "
-                   "(int(x) of a tensor or a numpy value)")
+                   "release", "not_an_op")
     producer = agent == "producer"
     kind = op[0]
-    if kind == "wait" and len(op) == 4 and op[1] in ("full", "empty"):
+    if q and op == ("load_q",):
+        return None if producer else bad(f"op {i} of {agent} is {op!r}: only the producer loads Q", "not_mine")
+    shapes = {"wait": 4, "load": 3, "compute": 3, "release": 2}
+    if kind not in shapes or len(op) != shapes[kind] or (kind == "wait" and op[1] not in ("full", "empty", "q")) \
+            or (kind == "wait" and op[1] == "q" and not q):
+        return bad(f"op {i} of {agent} is {op!r}: not an op (use wait_full, wait_empty, load, compute, release)",
+                   "not_an_op")
+    numbers = op[2:] if kind == "wait" else op[1:]
+    for name, x in zip(_FIELDS[kind], numbers):
+        if _integer(x) is None:
+            return bad(f"op {i} of {agent} is {op!r}: its {name} is {x!r}, a {type(x).__name__}; stages, tiles and "
+                       "parities are integers", "not_an_integer", field=name, value=x)
+    if kind == "wait":
         _, bar, s, p = op
-        if p not in (0, 1):
-            return bad(f"op {i} of {agent} waits on parity {p}: a parity is 0 or 1")
+        if bar == "q":
+            return None if not producer else bad(f"op {i} of {agent} is {op!r}: the consumers wait for Q",
+                                                 "not_mine")
+        if _integer(p) not in (0, 1):
+            return bad(f"op {i} of {agent} waits on parity {p!r}: a parity is 0 or 1", "parity", value=p)
         if (bar == "empty") != producer:
             who = "the producer waits on empty[s] only" if producer else "a consumer waits on full[s] only"
-            return bad(f"op {i} of {agent} is {op!r}: {who}")
-    elif kind == "load" and len(op) == 3:
+            return bad(f"op {i} of {agent} is {op!r}: {who}", "not_mine")
+    elif kind == "load":
         if not producer:
-            return bad(f"op {i} of {agent} is {op!r}: only the producer loads")
-        s, j = op[1], op[2]
+            return bad(f"op {i} of {agent} is {op!r}: only the producer loads", "not_mine")
+        j = _integer(op[2])
         if not 0 <= j < num_tiles:
-            return bad(f"op {i} of {agent} loads tile {j}: the tiles are 0..{num_tiles - 1}")
-    elif kind == "compute" and len(op) == 3:
+            return bad(f"op {i} of {agent} loads tile {j}: the tiles are 0..{num_tiles - 1}", "tile", value=j)
+    elif kind == "compute":
         if producer:
-            return bad(f"op {i} of {agent} is {op!r}: the producer only waits on empty[s] and loads")
-        j = op[2]
+            return bad(f"op {i} of {agent} is {op!r}: the producer only waits on empty[s] and loads", "not_mine")
+        j = _integer(op[2])
         if not 0 <= j < num_tiles:
-            return bad(f"op {i} of {agent} computes tile {j}: the tiles are 0..{num_tiles - 1}")
-    elif kind == "release" and len(op) == 2:
-        if producer:
-            return bad(f"op {i} of {agent} is {op!r}: consumers release stages, the producer fills them")
-    else:
-        return bad(f"op {i} of {agent} is {op!r}: not an op (use wait_full, wait_empty, load, compute, release)")
-    s = op[2] if kind == "wait" else op[1]
+            return bad(f"op {i} of {agent} computes tile {j}: the tiles are 0..{num_tiles - 1}", "tile", value=j)
+    elif producer:
+        return bad(f"op {i} of {agent} is {op!r}: consumers release stages, the producer fills them", "not_mine")
+    s = _integer(op[2] if kind == "wait" else op[1])
     if not 0 <= s < num_stages:
         return bad(f"op {i} of {agent} names stage {s}, but with num_stages = {num_stages} the stages are "
-                   f"0..{num_stages - 1}")
+                   f"0..{num_stages - 1}", "stage", value=s)
     return None
 
 
+def checked(schedule, num_tiles, num_stages, num_consumers, q=False):
+    """``(violation, ops)``: the first malformed thing in ``schedule`` (a ``bad_schedule`` or ``bad_op`` Violation),
+    else None and the schedule as {agent: list of ops} with every number a Python int, in ``agents()`` order."""
+    bad = _check_shape(schedule, num_consumers)
+    if bad:
+        return bad, None
+    names = agents(num_consumers)
+    for a in names:
+        for i, op in enumerate(schedule[a]):
+            bad = _check_op(a, i, op, num_stages, num_tiles, q)
+            if bad:
+                return bad, None
+    return None, {a: [op[:2] + tuple(map(_integer, op[2:])) if op[0] == "wait" else
+                      (op[0],) + tuple(map(_integer, op[1:])) for op in schedule[a]] for a in names}
+
+
 def simulate(schedule, num_tiles, num_stages, num_consumers, load_t=3, gemm_t=2, softmax_t=(3, 3),
-             pingpong=False, max_ticks=None, profile="") -> Run:
+             pingpong=False, max_ticks=None, profile="", q=False) -> Run:
     """Execute ``schedule`` tick by tick; stop at the first violation.
 
     ``schedule``: {"producer": [...], "consumer0": [...], ...} of ops from ``wait_full`` etc. The producer's
@@ -180,21 +232,19 @@ def simulate(schedule, num_tiles, num_stages, num_consumers, load_t=3, gemm_t=2,
     a consumer's ``compute`` is GEMM0 (``gemm_t``), softmax (``softmax_t[c]``), GEMM1 (``gemm_t``), reading its
     stage throughout; the tensor cores run one GEMM at a time. ``pingpong``: the consumers take turns on the
     tensor cores, one GEMM each (FA3's ping-pong), so one's softmax runs under the other's GEMM.
-    Returns a ``Run``: its ``violation`` is None when the schedule completed with every tile computed by every
-    consumer, in order, and every stage released.
+    Numbers may be any integers (bools, numpy's); ``checked`` says what is malformed. ``q``: the Gluon exercise's
+    replay, with Q's barrier: the producer's ``load_q()`` completes q_bar when it lands, a consumer's ``wait_q()``
+    waits for it. Returns a ``Run``: its ``violation`` is None when the schedule completed with every tile computed
+    by every consumer, in order, and every stage released.
     """
-    bad = _check_shape(schedule, num_consumers)
+    bad, schedule = checked(schedule, num_tiles, num_stages, num_consumers, q)
     if bad:
         return Run(bad, [], 0, profile)
     names = agents(num_consumers)
-    for a in names:
-        for i, op in enumerate(schedule[a]):
-            bad = _check_op(a, i, op, num_stages, num_tiles)
-            if bad:
-                return Run(bad, [], 0, profile)
     C = num_consumers
     full = [_Barrier(1) for _ in range(num_stages)]
     empty = [_Barrier(C) for _ in range(num_stages)]
+    bars = {"full": full, "empty": empty, "q": [_Barrier(1)]}          # q_bar: one arrival, Q's bytes
     # what each stage holds: the tile, whether it landed, the consumers that still owe it a release
     holds = [None] * num_stages
     landed = [False] * num_stages
@@ -231,6 +281,9 @@ def simulate(schedule, num_tiles, num_stages, num_consumers, load_t=3, gemm_t=2,
         for item in [x for x in in_flight if x[0] == t]:
             in_flight.remove(item)
             _, s, j = item
+            if s == "q":
+                bars["q"][0].arrive()
+                continue
             if holds[s] == j:
                 landed[s] = True
             full[s].arrive()
@@ -275,7 +328,7 @@ def simulate(schedule, num_tiles, num_stages, num_consumers, load_t=3, gemm_t=2,
                     kind = op[0]
                     if kind == "wait":
                         _, bar, s, p = op
-                        barrier = (full if bar == "full" else empty)[s]
+                        barrier = bars[bar][s]
                         if not barrier.passes(p):
                             if waiting_since[a] is None:
                                 waiting_since[a] = t
@@ -285,6 +338,11 @@ def simulate(schedule, num_tiles, num_stages, num_consumers, load_t=3, gemm_t=2,
                             events.append((a, "wait", waiting_since[a], t, s, None))
                         waiting_since[a] = None
                         last_wait[a][bar, s] = (p, i, at_once, uses[a][s])
+                    elif kind == "load_q":
+                        land = max(t, last_land) + load_t
+                        last_land = land
+                        in_flight.append((land, "q", None))
+                        events.append((a, "load_q", t, land, None, None))
                     elif kind == "load":
                         _, s, j = op
                         if any(x[1] == s for x in in_flight):
@@ -359,7 +417,7 @@ def simulate(schedule, num_tiles, num_stages, num_consumers, load_t=3, gemm_t=2,
             blocked = []
             for b in stuck:
                 _, bar, s, p = schedule[b][pc[b]]
-                barrier = (full if bar == "full" else empty)[s]
+                barrier = bars[bar][s]
                 blocked.append(dict(agent=b, index=pc[b], bar=bar, stage=s, parity=p, round=uses[b][s],
                                     completed=barrier.completed, arrived=barrier.arrived, count=barrier.count))
             lines = "; ".join(f"{x['agent']} (op {x['index']}) waits on {x['bar']}[{x['stage']}] parity "
