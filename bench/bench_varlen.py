@@ -1,6 +1,7 @@
 """`make bench`, the "varlen" and "packed_documents" rows: packed variable-length attention on one GPU.
 
-    python3 bench/bench_varlen.py [--out FILE] [--quick] [--packed | --serving] [--budget S] [--tune-dense] [--smoke]
+    python3 bench/bench_varlen.py [--out FILE] [--quick] [--packed | --serving] [--budget S] [--first I,J,..]
+                                  [--tune-dense] [--smoke] [--host] [--report JSON [--train JSON]]
 
 **packed_documents** (``--packed`` alone): pre-training's packed rows, documents causal within themselves, bf16,
 H = 16 with Hkv = 4 (and one MHA row), forward and backward, three ways in one run:
@@ -73,7 +74,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from helpers.kernels.forward import flash_attn_triton  # noqa: E402
-from helpers.kernels.varlen import chosen_configs, flash_attn_varlen_triton, prepare_varlen  # noqa: E402
+from helpers.kernels.varlen import (chosen_configs, flash_attn_varlen_triton, prepare_varlen,  # noqa: E402
+                                    rejected_configs)
 from helpers.kernels.varlen_backward import flash_attention_varlen  # noqa: E402
 
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -569,6 +571,82 @@ def packed_table(rows):
     return "\n".join(lines) + "\n(ms, do_bench median; x = the peer's time / the course's)"
 
 
+def host_costs(device, smoke):
+    """The host's time per call on a prepared batch, microseconds (the best of 5 runs of back-to-back calls): the
+    training forward (q, k, v require grad), the backward as the autograd engine calls it, and prepare_varlen with
+    the maps its kernels use (once per step). ``python``: the course's own Python, every kernel launch stubbed out
+    (under the interpreter the GPU's path is emulated: TMA descriptors made, the tiles chosen as on a GPU after a
+    class's first call); ``launched`` (GPU only): the whole call with Triton's launches, on two documents of 300
+    and 212 tokens, whose kernels take far less than the host's time, so the loop runs at the host's pace."""
+    from helpers.kernels import varlen as kv, varlen_backward as kb
+    H, Hkv, d = (2, 1, 16) if smoke else (16, 4, 128)
+    dt = torch.float32 if smoke else torch.bfloat16
+    cu = [0, 300, 512]
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(512, h, d, device=device, dtype=dt, generator=g).requires_grad_() for h in (H, Hkv, Hkv))
+    do = torch.randn(512, H, d, device=device, dtype=dt, generator=g)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    reps = 20 if smoke else 300
+
+    def per_call(fn, n=reps):
+        fn()
+        best = float("inf")
+        for _ in range(5):
+            sync()
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            best = min(best, (time.perf_counter() - t) / n * 1e6)
+        return round(best, 1)
+
+    def measure(batch):
+        o = flash_attention_varlen(q, k, v, batch, causal=True)
+        node = o.grad_fn
+        out = {"forward": per_call(lambda: flash_attention_varlen(q, k, v, batch, causal=True)),
+               "backward": per_call(lambda: node.apply(do))}
+
+        def prepare():  # the step's set-up: the batch and the maps its kernels use
+            made = prepare_varlen(cu, device=device)
+            for key in batch.built_maps():
+                made.block_map(*key)
+        out["prepare_varlen"] = per_call(prepare, max(1, reps // 10))
+        return out
+
+    res = {}
+    if not smoke:  # compiles and chooses the tiles first (the class of the packed rows: nothing new to compile)
+        res["launched"] = measure(prepare_varlen(cu, device=device))
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: None
+
+    saved = {(m, n): getattr(m, n) for m, n in ((kv, "_attn_fwd_varlen"), (kb, "_bwd_dkdv_varlen"),
+                                                (kb, "_bwd_dq_varlen"), (kb, "_bwd_preprocess"))}
+    if smoke:  # the GPU's path under the interpreter: descriptors made, a tile kept per class as tuned_launch does
+        def tuned(key, configs, launch, dev):
+            cfg = kv._chosen.setdefault(key, (configs() if callable(configs) else configs)[0])
+            launch(cfg)
+            return cfg
+        saved.update({(m, n): getattr(m, n) for m, n in ((kv, "_use_tma_default"), (kv, "_check_use_tma"),
+                                                         (kv, "tuned_launch"), (kb, "tuned_launch"))})
+        kv._use_tma_default, kv._check_use_tma = (lambda q: True), (lambda *a: None)
+        kv.tuned_launch = kb.tuned_launch = tuned
+        chosen = dict(kv._chosen)
+    try:
+        for m, n in saved:
+            if n.startswith("_bwd") or n == "_attn_fwd_varlen":
+                setattr(m, n, Stub())
+        res["python"] = measure(prepare_varlen(cu, device=device))  # a new batch: its plans launch the stubs
+    finally:
+        for (m, n), obj in saved.items():
+            setattr(m, n, obj)
+        if smoke:
+            kv._chosen.clear()
+            kv._chosen.update(chosen)
+    return res
+
+
 def packed_section(args, device, gpu, path):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     if args.smoke:
@@ -596,7 +674,9 @@ def packed_section(args, device, gpu, path):
             "check": "first, last and longest document vs float64 (closed-form backward): O, dq, dk, dv each within "
                      "2x SDPA's error on the same document (bf16) + 1e-5, lse within 5e-3",
             "details": details, "skipped_for_time": skipped}
-    for c in packed_cases(args.quick, args.smoke):
+    cases = packed_cases(args.quick, args.smoke)
+    first = [cases[i] for i in args.first if i < len(cases)]
+    for c in first + [c for c in cases if c not in first]:
         if time.time() - t0 > budget:
             skipped.append(list(c))
             continue
@@ -625,13 +705,51 @@ def packed_section(args, device, gpu, path):
         write_section("packed_documents", rows, meta, path)  # after every row: a run cut short keeps what it did
         if device == "cuda":
             torch.cuda.empty_cache()
-    meta.update(seconds=round(time.time() - t0, 1), summary=packed_summary(rows))
+    meta["host_us_per_call"] = host_costs(device, args.smoke)
+    meta.update(seconds=round(time.time() - t0, 1), summary=packed_summary(rows),
+                tiles={str(key): cfg for key, cfg in chosen_configs().items()},
+                rejected_tiles={str(key): v for key, v in rejected_configs().items()})
     write_section("packed_documents", rows, meta, path)
     log(f"done in {meta['seconds']}s; wrote {len(rows)} rows to {path}" + (f"; skipped {skipped}" if skipped else ""))
     log(packed_table(rows))
+    log(f"host us per call on a prepared batch (python: launches stubbed; launched: with Triton's launches): "
+        f"{json.dumps(meta['host_us_per_call'])}")
     log(f"causal rows, FlexAttention's time / the course's (geometric mean; lowest row): "
         f"{json.dumps(meta['summary'])}  (targets: forward >= 1.1, backward >= 1.0, no row below 0.9)")
     return rows
+
+
+def report(path, train_path=None):
+    """A short table of what a run wrote: the packed rows (FlexAttention's time over the course's, forward and
+    backward; the forward in a CUDA graph), their summary, the host's time per call, the tiles chosen per class,
+    and train_llama.py's runs (tokens per second, the attention's share, what the timed steps compiled)."""
+    lines = []
+    if path and os.path.exists(path):
+        res = json.load(open(path))
+        rows, meta = res.get("packed_documents", []), res.get("packed_documents_meta", {})
+        details = {(d.get("mix"), d.get("T"), d.get("d"), d.get("Hkv"), d.get("causal")): d
+                   for d in meta.get("details", [])}
+        lines.append(f"{'mix':26} {'T':>6} {'d':>4} {'Hkv':>3} {'causal':>6} {'fwd x':>6} {'bwd x':>6} {'fwd ms':>7} "
+                     f"{'graph':>7} pass")
+        for r in rows:
+            d = details.get((r["mix"], r["T"], r["d"], r["Hkv"], r["causal"]), {})
+            x = lambda a, b: f"{r[a] / r[b]:6.2f}" if r.get(a) and r.get(b) else f"{'-':>6}"  # noqa: E731
+            g = d.get("fwd_course_graph_ms")
+            lines.append(f"{r['mix']:26} {r['T']:>6} {r['d']:>4} {r['Hkv']:>3} {str(r['causal']):>6} "
+                         f"{x('fwd_flex_ms', 'fwd_course_ms')} {x('bwd_flex_ms', 'bwd_course_ms')} "
+                         f"{(r['fwd_course_ms'] or 0):7.3f} {(g or 0):7.3f} {r['pass']}")
+        lines.append(f"summary {json.dumps(meta.get('summary'))}; skipped {meta.get('skipped_for_time')}")
+        lines.append(f"host us per call {json.dumps(meta.get('host_us_per_call'))}")
+        lines.append(f"tiles {json.dumps(meta.get('tiles'))}; rejected {json.dumps(meta.get('rejected_tiles'))}")
+    if train_path and os.path.exists(train_path):
+        res = json.load(open(train_path))
+        for name, r in res.get("runs", {}).items():
+            lines.append(f"train {name:>6}: {r['tokens_per_s']:>9.0f} tokens/s, step median {r.get('step_ms_median')} "
+                         f"max {r.get('step_ms_max')} ms, attention {r.get('attention_share')}, while timed: "
+                         f"compiles {r.get('varlen_compiles_while_timed')}, "
+                         f"tile choices {r.get('varlen_tile_choices_while_timed')}")
+        lines.append(f"train errors {res.get('errors')}; course/flex {res.get('speedup_vs_flex_tokens_per_s')}")
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -643,9 +761,17 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=None,
                     help=f"packed rows: seconds after which no new row starts (default {PACKED_BUDGET_S}, a third "
                          f"with --quick)")
+    ap.add_argument("--first", type=lambda x: [int(i) for i in x.split(",") if i], default=[],
+                    help="packed rows to run before the others, as indices into the list (0-based, comma-separated)")
+    ap.add_argument("--host", action="store_true", help="only the host's time per call on a prepared batch (printed)")
+    ap.add_argument("--report", metavar="JSON", help="only print a short table of what a run wrote into JSON")
+    ap.add_argument("--train", metavar="JSON", help="with --report: train_llama.py's train_llama.json too")
     ap.add_argument("--tune-dense", action="store_true", help="autotune the dense kernel instead of its fixed config")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes under the interpreter (the script's test)")
     args = ap.parse_args(argv)
+    if args.report:
+        log(report(args.report, args.train))
+        return []
     on_gpu = torch.cuda.is_available() and not args.smoke
     if not on_gpu and not args.smoke:
         raise SystemExit("bench_varlen.py needs a CUDA GPU (or --smoke for the interpreter run)")
@@ -655,6 +781,9 @@ def main(argv=None):
         raise SystemExit("--packed and --serving each pick one section: give one, or neither for both")
     device = "cuda" if on_gpu else "cpu"
     gpu = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter smoke run)"
+    if args.host:
+        log(json.dumps(host_costs(device, args.smoke)))
+        return []
     path = args.out or results_path(gpu)
     rows = []
     if not args.packed:

@@ -223,16 +223,20 @@ def train(attn, cfg, data, docs, device, dtype, seed=1234):
     losses, t_start, timed_tokens, segments = [], None, 0, []
     skip = min(10, cfg["steps"] // 4)  # steps left out of the rate (compilation, autotuning)
     steps = list(packed_batches(data, docs, cfg["T"], cfg["batch"], cfg["steps"], seed, "cpu"))  # built before timing
+    step_s, seen = [], None  # each timed step's wall time (train_step ends in a sync); the kernels' state at skip
     for step, (x, y, pos, doc_id, cu, max_len) in enumerate(steps):
         x, y, pos, doc_id = (t.to(device, non_blocking=True) for t in (x, y, pos, doc_id))  # cu: on the host
         if step == skip:
             if device == "cuda":
                 torch.cuda.synchronize()
-            t_start = time.perf_counter()
+            t_start = t_last = time.perf_counter()
+            seen = _kernel_state() if device == "cuda" else None
         losses.append(train_step(model, opt, sched, device, dtype, x, y, pos, doc_id, cu, max_len))
         segments.append(len(cu) - 1)
         if step >= skip:
             timed_tokens += x.numel()
+            step_s.append(time.perf_counter() - t_last)
+            t_last = time.perf_counter()
         if (step + 1) % max(1, cfg["steps"] // 10) == 0:
             log(f"  {attn:>6} step {step + 1:>4} loss {losses[-1]:.4f}")
     if device == "cuda":
@@ -241,9 +245,29 @@ def train(attn, cfg, data, docs, device, dtype, seed=1234):
     out = {"loss": [round(v, 5) for v in losses], "tokens_per_s": round(timed_tokens / seconds, 1),
            "timed_steps": cfg["steps"] - skip, "documents_per_step": round(sum(segments) / len(segments), 1),
            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None}
+    if step_s:
+        ordered = sorted(step_s)
+        out.update(step_ms_median=round(1e3 * ordered[len(ordered) // 2], 2), step_ms_max=round(1e3 * ordered[-1], 2))
+    if seen is not None:  # what the timed steps compiled or timed anew (each costs seconds: none expected)
+        now = _kernel_state()
+        out.update({f"{name}_while_timed": (now[name] - seen[name] if None not in (now[name], seen[name]) else None)
+                    for name in now})
     if device == "cuda":
         out.update(attention_share(attn, cfg, steps[-1], seconds / (cfg["steps"] - skip), device, dtype))
     return out
+
+
+def _kernel_state():
+    """{"varlen_compiles": compiled variants Triton holds of the packed kernels, "varlen_tile_choices": shape classes
+    whose tiles were timed}: taken when the timing starts and at the end of a run."""
+    from helpers.kernels import varlen as kv, varlen_backward as kb
+    try:
+        dev = torch.cuda.current_device()
+        compiles = sum(len(fn.device_caches[dev][0]) for fn in (kv._attn_fwd_varlen, kb._bwd_dkdv_varlen,
+                                                                kb._bwd_dq_varlen, kb._bwd_preprocess))
+    except (AttributeError, IndexError, KeyError, TypeError):  # another Triton's cache layout
+        compiles = None
+    return {"varlen_compiles": compiles, "varlen_tile_choices": len(kv.chosen_configs())}
 
 
 def attention_share(attn, cfg, step, step_s, device, dtype):

@@ -311,6 +311,8 @@ def varlen_jobs(cc, dtypes):
     plan = [(dt, d, cfg, (tma, False, 0)) for dt, d, cfg, tma in plan]
     if cc in VARIANT_TARGETS:  # the window with softcap: the dense body's lower band and score mod, packed
         plan += [("fp16", 128, plan[0][2], (False, True, 1))]
+    if cc in VARIANT_TARGETS:  # a batch of short documents' extra tiles (the launcher adds them from sm_90)
+        plan += [("fp16", 128, cfg, (_use_tma(cc, "fp16"), False, 0)) for cfg in _short_configs("varlen", 128, cc)]
     jobs = []
     for dtype, d, cfg, (tma, window, mod) in plan:
         def build(cfg=cfg, d=d, dtype=dtype, tma=tma, window=window, mod=mod):
@@ -329,12 +331,24 @@ def varlen_jobs(cc, dtypes):
     return jobs
 
 
+def _short_configs(kind, d, cc, smem_kind="varlen"):
+    """The configurations a batch of short documents adds to ``kind``'s set (``SHAPES[kind + "_short"]``, the
+    launchers' ``class_configs``) that fit sm_cc's shared memory (none may fit)."""
+    from helpers.kernels import common as kc
+    extra = kc.SHAPES[f"{kind}_short"](d)
+    try:
+        return kc.fitting_configs(smem_kind, extra, d, _torch_dtype("fp16"), (cc // 10, cc % 10), TARGETS[cc]["smem"])
+    except ValueError:
+        return []
+
+
 VARLEN_BWD_TARGETS = (90, 86, 75)  # where the candidates that fit differ: all of them (sm_86/89 and a T4 prune)
 
 
 def varlen_bwd_jobs(cc, dtypes):
     """The packed backward's two kernels in every configuration ``varlen_bwd_configs`` may time on sm_cc (those of
-    the varlen backward's sets that fit): d = 128, or d = 64 where nothing fits at 128 (a T4)."""
+    the varlen backward's sets that fit, and on sm_90 of its short sets): d = 128, or d = 64 where nothing fits at
+    128 (a T4)."""
     import helpers.kernels.varlen_backward as tvb
     from helpers.kernels import common as kc
     if cc not in VARIANT_TARGETS + VARLEN_BWD_TARGETS:
@@ -348,6 +362,8 @@ def varlen_bwd_jobs(cc, dtypes):
             d, cfgs = 128, fits(128)
         except ValueError:
             d, cfgs = 64, fits(64)
+        if cc >= 90:  # and a batch of short documents' extra tiles (the launcher adds them from sm_90)
+            cfgs = cfgs + _short_configs(f"varlen_{kind}", d, cc, kind)
         # the library's options: none; on VARIANT_TARGETS also the window with ALiBi in the dK/dV kernel (the dQ
         # kernel's body is the dense one's, compiled with them in bwd_jobs: 9 s of ptxas saved)
         plan = [(cfg, False, 0) for cfg in cfgs]

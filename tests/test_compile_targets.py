@@ -164,15 +164,21 @@ def test_varlen_launchers_time_the_configs_that_fit(monkeypatch, cc):
         for d in (64, 128, 80):
             every = kc.SHAPES[kind](d)
             if cc < 80 and d >= 80 and kind != "varlen":  # no configuration of the backward fits a T4 there
-                with pytest.raises(ValueError, match=f"no configuration of the {smem_kind} kernel fits .* 64 KB"):
-                    tv.candidates(smem_kind, every, d, torch.float16, gpu)
+                for length_class in ("long", "short"):
+                    with pytest.raises(ValueError, match=f"no configuration of the {smem_kind} kernel fits .* 64 KB"):
+                        tv.class_candidates(kind, smem_kind, d, torch.float16, gpu, length_class)
                 continue
             kept = tv.candidates(smem_kind, every, d, torch.float16, gpu)
             assert kept, f"{kind}, d={d}: every configuration pruned on sm_{cc}"
             _check_pruning(smem_kind, d, cc, every, kept)
+            # a batch of short documents: the same, then on sm_90 its short set, every configuration of it
+            assert tv.class_candidates(kind, smem_kind, d, torch.float16, gpu, "long") == kept
+            short = tv.class_candidates(kind, smem_kind, d, torch.float16, gpu, "short")
+            assert short == kept + (kc.SHAPES[kind + "_short"](d) if cc >= 90 else []), f"{kind}, d={d}, short"
     q = SimpleNamespace(dtype=torch.float16, device=gpu)
-    assert cc < 80 or tvb.varlen_bwd_configs(128, q) == (tv.candidates("dkdv", kc.SHAPES["varlen_dkdv"](128), 128, q.dtype, gpu),
-                                              tv.candidates("dq", kc.SHAPES["varlen_dq"](128), 128, q.dtype, gpu))
+    for length_class in ("long", "short"):
+        assert cc < 80 or tvb.varlen_bwd_configs(128, q, length_class) == tuple(
+            tv.class_candidates(f"varlen_{kind}", kind, 128, q.dtype, gpu, length_class) for kind in ("dkdv", "dq"))
 
 
 def _check_pruning(kind, d, cc, every, kept):

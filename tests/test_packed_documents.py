@@ -92,8 +92,10 @@ def test_prepare_varlen_checks_once_and_keeps_its_own_copy():
     cu[1] = 1  # the caller's tensor changes later: the batch does not
     assert batch.cu_seqlens_q.tolist() == batch.cu_seqlens_k.tolist() == [0, 3, 3, 8]
     assert prepare_varlen([0, 2, 2], [0, 4, 5], device=DEVICE).lengths_k.tolist() == [4, 1]  # lists: no host copy
-    assert prepare_varlen(_cu([1000] + [1] * 20)).length_class == round(math.log2((1000 ** 3 + 20) / (1000 ** 2 + 20)))
-    assert prepare_varlen(_cu([1] * 9)).length_class == 6 and prepare_varlen(_cu([9000, 5])).length_class == 10
+    # the length class: the document an average token sits in (sum n^2 / sum n) against SHORT_DOCUMENTS = 256
+    assert prepare_varlen(_cu([1000] + [1] * 20)).length_class == "long"  # (10^6 + 20) / 1020 = 980
+    assert prepare_varlen(_cu([32] * 30 + [600])).length_class == "short"  # 390720 / 1560 = 250
+    assert [prepare_varlen(_cu([n])).length_class for n in (1, 255, 256, 9000)] == ["short", "short", "long", "long"]
     bad = [
         (ValueError, "must start at 0", dict(cu_seqlens_q=[1, 3])),
         (ValueError, "must not decrease", dict(cu_seqlens_q=[0, 4, 3])),
@@ -141,6 +143,73 @@ def test_work_maps_cover_every_block_once_heaviest_first(lens_q, lens_k, block, 
     assert hits == [1] * cu[-1], "every packed row (or key) belongs to exactly one entry"
     assert work == sorted(work, reverse=True), f"heaviest first: {work}"
     assert batch.block_map(block, kind, causal)[0] is batch.block_map(block, kind, causal)[0], "built once, cached"
+
+
+def test_every_tensor_a_batch_gives_the_kernels_starts_on_16_bytes():
+    """Triton compiles a kernel per combination of which pointer arguments are 16-byte aligned: a map or a
+    cu_seqlens that started 4 or 8 bytes into a shared buffer for some numbers of blocks or documents made a
+    training run compile every kernel again whenever a batch had such a number (seconds each, while timed)."""
+    import random
+    rng = random.Random(0)
+    for num_seqs in range(1, 10):
+        lens = [rng.randint(0, 300) for _ in range(num_seqs)]
+        batch = prepare_varlen(_cu(lens))
+        tensors = [batch.cu_seqlens_q, batch.cu_seqlens_k]
+        for block in (16, 32, 64, 128):
+            for kind in ("q", "k"):
+                tensors += batch.block_map(block, kind, True)
+        for t in tensors:
+            assert t.dtype == torch.int32 and t.is_contiguous() and t.data_ptr() % 16 == 0, (lens, t.numel())
+
+
+def test_a_layer_after_the_first_reuses_its_plan(monkeypatch):
+    """The first call of a shape on a batch checks the inputs and builds the launch plans (the forward's, and on its
+    first backward the backward's); the other layers' calls, with new tensors of the same shapes, only allocate
+    their outputs and launch. Another shape, dtype, layout or option is checked again, so a bad input still fails."""
+    lens = [7, 0, 30, 3]
+    batch = prepare_varlen(_cu(lens))
+    checked = []
+    real_check = kv._check_packed
+    monkeypatch.setattr(kv, "_check_packed", lambda *a: checked.append(1) or real_check(*a))
+    layers = [tuple(t.clone().requires_grad_() for t in _inputs(lens, lens, 4, 2, 16, DTYPES[0], seed=i)[:3])
+              for i in range(3)]
+    do = _inputs(lens, lens, 4, 2, 16, DTYPES[0], seed=9)[3]
+    outs = [flash_attention_varlen(q, k, v, batch, causal=True) for q, k, v in layers]
+    torch.autograd.backward(outs, [do] * len(outs))
+    assert len(checked) == 1 and len(batch._plans) == 1
+    plan = next(iter(batch._plans.values()))
+    assert plan.bwd is not None and plan.parts is not None, "both plans built, the tile kept"
+    flash_attn_varlen_triton(*(t.detach() for t in layers[0]), batch, causal=True)  # the same plan, not autograd
+    assert len(checked) == 1
+    flash_attention_varlen(*layers[0], batch, causal=False)  # another option: checked, a second plan
+    assert len(checked) == 2 and len(batch._plans) == 2
+    q, k, v = (t.detach() for t in layers[0])
+    with pytest.raises(ValueError, match="must be contiguous"):  # same shape, other strides: checked, refused
+        flash_attention_varlen(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, batch, causal=True)
+    with pytest.raises(TypeError, match="must share a dtype"):
+        flash_attention_varlen(q, k.to(DTYPES[1]), v, batch, causal=True)
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        flash_attention_varlen(q, k, v, batch, causal=1)
+    ref = flash_attn_varlen_triton(q, k, v, prepare_varlen(_cu(lens)), causal=True)  # a fresh batch: same result
+    assert torch.equal(ref[0], outs[0].detach())
+
+
+def test_a_batch_is_freed_with_its_step():
+    """The batch keeps its plans and the plans reach back to it only weakly: once a step's outputs and the batch are
+    dropped, the batch, its maps and its plans go at once (a reference cycle would keep every step's maps on the
+    GPU until Python's cycle collector ran); the autograd graph keeps the batch alive until its backward."""
+    import weakref
+    lens = [5, 17, 0, 9]
+    q, k, v, do = _inputs(lens, lens, 4, 2, 16, DTYPES[0], seed=3)
+    qg = q.clone().requires_grad_()
+    batch = prepare_varlen(_cu(lens))
+    o = flash_attention_varlen(qg, k, v, batch, causal=True)
+    alive = weakref.ref(batch)
+    del batch
+    assert alive() is not None, "the graph holds the batch for its backward"
+    o.backward(do)
+    del o
+    assert alive() is None, "freed without the cycle collector"
 
 
 # ------------------------------------------------------------------ nothing read on the host
@@ -317,6 +386,30 @@ def test_tuned_launch_keeps_the_fastest_and_times_nothing_in_a_capture(monkeypat
     assert kv.tuned_launch("third", configs, too_big, gpu) == dict(BLOCK_N=16)
 
 
+def test_short_documents_add_small_tiles_to_the_candidates(monkeypatch):
+    """On a GPU (an H200's limits here), a batch of short documents times its set and the short set after it
+    (smaller tiles, two stages), in the forward and both backward kernels; a batch of long documents (and the
+    unchecked library layout, which knows no lengths) its set alone."""
+    monkeypatch.setattr(kv, "interpreting", lambda: False)
+    monkeypatch.setattr(kv, "_device_limits", lambda device: ((9, 0), 227 * 1024))
+    gpu = torch.device("cuda", 0)
+    for kind, smem_kind in (("varlen", "varlen"), ("varlen_dkdv", "dkdv"), ("varlen_dq", "dq")):
+        for d in (64, 128):
+            long, short = kv.SHAPES[kind](d), kv.SHAPES[kind + "_short"](d)
+            assert short and not any(c in long for c in short)
+            assert all(c["BLOCK_M"] <= 64 and c["BLOCK_N"] <= 64 and c["num_stages"] == 2 for c in short)
+            got = {cls: kv.class_candidates(kind, smem_kind, d, torch.bfloat16, gpu, cls) for cls in ("long", "short")}
+            assert got["long"] == kv.class_candidates(kind, smem_kind, d, torch.bfloat16, gpu, None) == long
+            assert got["short"] == long + short
+    assert kv.SHAPES["varlen_short"](128)[-1] == dict(BLOCK_M=32, BLOCK_N=32, num_warps=2, num_stages=2)
+    batch = prepare_varlen(_cu([30] * 20), device="meta")  # a short batch's forward key and candidates
+    q, k = (torch.empty(600, h, 128, dtype=torch.bfloat16, device="meta") for h in (16, 4))
+    plan = kv._FwdPlan(q, k, k, batch, kv._check_mods(True, (-1, -1), 0.0, None, 16, 20, "meta"), None,
+                       use_tma=False)
+    plan.device = gpu  # the device its candidates are listed for
+    assert plan.key[8] == "short" and plan._configs() == kv.SHAPES["varlen"](128) + kv.SHAPES["varlen_short"](128)
+
+
 def test_no_map_is_built_during_a_capture(monkeypatch):
     """Building a map copies host values to the device: not inside a CUDA graph (the copy would replay from a host
     buffer long gone). The batch says what to do instead."""
@@ -331,7 +424,7 @@ def test_no_map_is_built_during_a_capture(monkeypatch):
 def _step_inputs(layers=3):
     torch.manual_seed(0)
     lens = [9, 4291, 1, 0, 700, 3000, 256, 129, 1]
-    H, Hkv, d = 8, 2, 128
+    H, Hkv, d = 16, 4, 128  # bench/train_llama.py's and the packed rows' heads: the kernels they compile
     T = sum(lens)
     x = [(torch.randn(T, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True),
           torch.randn(T, Hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True),
@@ -373,20 +466,65 @@ def test_a_training_steps_attention_captured_in_a_cuda_graph():
         assert torch.equal(g, e), "the replayed backward is the eager one (deterministic: no atomics)"
 
 
+def _load_bench(name):
+    import importlib.util
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiled_variants():
+    """How many compiled variants Triton holds for the packed kernels on this GPU (a new one: a compile)."""
+    from helpers.kernels import varlen_backward as kb
+    dev = torch.cuda.current_device()
+    return {fn.__name__: len(fn.device_caches[dev][0])
+            for fn in (kv._attn_fwd_varlen, kb._bwd_dkdv_varlen, kb._bwd_dq_varlen, kb._bwd_preprocess)}
+
+
 @pytest.mark.skipif(not ON_GPU, reason="sync debug mode needs a CUDA GPU")
-def test_the_step_waits_for_nothing_on_the_gpu():
-    lens, x, do = _step_inputs(layers=2)
-    batch = prepare_varlen([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
-    _attention_step(batch, x, do)  # first: compiles and times the tiles (syncs), builds the maps
+def test_a_training_step_waits_for_nothing_and_compiles_nothing_new():
+    """bench/train_llama.py's course run, step by step as train() runs it: the inputs on the GPU, cu_seqlens on the
+    host; in the step, prepare_varlen from the host's cu_seqlens (train_llama's step_context), 8 layers' attention
+    forward among the model's other work, the backward through all of them, gradient clipping and AdamW (all but
+    the loss's .item(), train_step's one sync). After a first step (compiles, times the tiles), the next steps run
+    under set_sync_debug_mode("error") and compile nothing: batches with every residue of the number of
+    documents mod 4, which moved the maps' and cu_seqlens' alignment when they shared a buffer."""
+    tl = _load_bench("train_llama")
+    cfg = dict(tl.GPU_CONFIG, batch=1, steps=4)  # 8 layers, H 16, Hkv 4, d 128, T 4096, one row per step
+    data = torch.frombuffer(bytearray(tl.corpus_bytes()), dtype=torch.uint8).long()
+    docs = tl.documents(data, cfg["doc_median"], seed=7)
+    picked = {}
+    for x, y, pos, doc_id, cu, max_len in tl.packed_batches(data, docs, cfg["T"], cfg["batch"], 64, 1234, "cpu"):
+        picked.setdefault(len(cu) % 4, (x, y, pos, doc_id, cu, max_len))
+    assert len(picked) == 4, "batches of every residue"
+    steps = [(*(t.cuda() for t in s[:4]), *s[4:]) for s in picked.values()]  # cu: on the host, as in train()
+    torch.manual_seed(0)
+    model = tl.Llama(cfg, "course").cuda()
+    opt, _ = tl.adamw_cosine(model, cfg)
+
+    def step(x, y, pos, doc_id, cu, max_len):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y, pos, doc_id, cu, max_len)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    step(*steps[0])
     torch.cuda.synchronize()
-    for t in (t for qkv in x for t in qkv):
-        t.grad = None
+    variants = _compiled_variants()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _attention_step(batch, x, do)
+        losses = [step(*s) for s in steps[1:]]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    assert all(torch.isfinite(loss) for loss in losses)
+    assert _compiled_variants() == variants, "a new batch compiled a kernel again"
 
 
 # ------------------------------------------------------------------ the benchmark's own run (no GPU: --smoke)

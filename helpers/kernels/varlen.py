@@ -32,8 +32,12 @@ blocks, which the most rows see), so that the long programs start first and the 
 tokens next to one of 4291, fill the gaps at the end: the greedy longest-first order of list scheduling.
 
 Tiles: each kernel's configuration is chosen per shape class (head dim, dtype, the masks, the GQA group, the
-batch's length class: the work-weighted mean document length, rounded to a power of two) by timing the
-candidates on the first call, outside a CUDA graph capture; every candidate's map comes from the batch.
+batch's length class: short or long documents, ``SHORT_DOCUMENTS``) by timing the candidates on the first call,
+outside a CUDA graph capture; every candidate's map comes from the batch, and a batch of short documents has
+smaller tiles among its candidates. The host's part of a call on a batch is small: the first call of a shape
+checks the inputs and builds a launch plan (the chosen tile's map, grid, arguments), which the batch keeps for
+every later layer; every tensor handed to a kernel starts on 16 bytes and the row count is not specialised on,
+so a new batch compiles nothing.
 
 References: Dao, "FlashAttention-2" (2023); the FlashAttention library's varlen interface (``cu_seqlens``,
 ``max_seqlen``); Graham, "Bounds on multiprocessing timing anomalies" (1969) for the longest-first order.
@@ -41,6 +45,7 @@ Written for this course.
 """
 
 import math
+import weakref
 
 import torch
 import triton
@@ -48,7 +53,7 @@ import triton.language as tl
 
 from ..triton_mode import interpreting
 from .common import (LOG2E, SHAPES, TensorDescriptor, _check_head_dim, _check_qkv, _device_limits, fitting_configs,
-                     head_block, tile_configs)
+                     head_block, smem_estimate, tile_configs)
 from .forward import _attn_fwd_rows, _check_mods, _check_use_tma, _use_tma_default
 
 __all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m", "prepare_varlen", "VarlenBatch"]
@@ -112,14 +117,31 @@ def _check_cu_values(name, cu, max_seqlen, max_name):
 
 
 def _to_device(rows, device):
-    """int32 tensor of these host values on device, copied without waiting for the GPU (pinned, non-blocking)."""
-    t = torch.tensor(rows, dtype=torch.int32)
-    if device.type != "cuda":
-        return t.to(device)
-    if torch.cuda.is_current_stream_capturing():
+    """The rows of host ints ``rows`` [R, n] (a tensor or nested lists) as R int32 tensors [n] on ``device``, copied
+    in one piece without waiting for the GPU (pinned memory, non-blocking), each starting on a 16-byte boundary.
+    Triton specialises a kernel on whether each pointer argument is 16-byte aligned: rows of one [R, n] tensor
+    would be aligned or not by n, so a batch with another number of blocks or documents would compile every
+    kernel again (seconds each, in the middle of a training run). Each row is padded to a multiple of 4 entries."""
+    rows = torch.as_tensor(rows)
+    R, n = rows.shape
+    width = max(4, -(-n // 4) * 4)  # int32 entries, 4 per 16 bytes
+    cuda = device.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a VarlenBatch builds its program maps outside a CUDA graph capture: run one forward and "
                            "backward of the step before capturing it (the maps are cached in the batch)")
-    return t.pin_memory().to(device, non_blocking=True)
+    buf = torch.zeros((R, width), dtype=torch.int32, pin_memory=cuda)  # [R, width] on the host
+    buf[:, :n] = rows
+    out = buf.to(device, non_blocking=True) if cuda else buf.to(device)  # [R, width]
+    return [out[i, :n] for i in range(R)]
+
+
+# The batch's length class, part of the key its kernels' tiles are chosen under: "short" when the document an
+# average token sits in (the token-weighted mean length, sum n^2 / sum n) is shorter than SHORT_DOCUMENTS tokens,
+# "long" otherwise. A short batch's tiles are mostly empty rows and keys and its programs mostly prologue and
+# epilogue: its candidates add smaller tiles and fewer stages (more programs side by side on an SM). Past a few
+# tiles every document runs like a long one, so two classes: a finer split would make a training run time the
+# candidates again each time a batch crossed a boundary.
+SHORT_DOCUMENTS = 256
 
 
 class VarlenBatch:
@@ -128,10 +150,10 @@ class VarlenBatch:
     ``cu_seqlens_q``, ``cu_seqlens_k``: the batch's own int32 [B + 1] copies on ``device`` (a later in-place change
     to the caller's tensors cannot make them disagree with the maps); ``max_seqlen_q``, ``max_seqlen_k``,
     ``total_q``, ``total_k``, ``num_seqs``: ints on the host; ``lengths_q``, ``lengths_k``: int64 [B] on the CPU;
-    ``length_class``: round(log2) of the work-weighted mean query length (sum n^3 / sum n^2), clamped to 6 .. 10
-    (64 to 1024 tokens: past a few tiles every document runs like a long one), part of the key the kernels' tile
-    choice is cached under. ``block_map(block, kind, causal)``: a program map (below); ``built_maps()``: the
-    (block, kind, causal) of the maps built so far.
+    ``length_class``: "short" or "long" (``SHORT_DOCUMENTS``), part of the key the kernels' tile choice is cached
+    under. ``block_map(block, kind, causal)``: a program map (below); ``built_maps()``: the (block, kind, causal)
+    of the maps built so far. The batch also keeps each call shape's launch plan (``_plan_for``): the first layer's
+    call checks and builds it, the other layers' calls only allocate their outputs and launch.
     """
 
     def __init__(self, cu_q, cu_k, max_seqlen_q, max_seqlen_k, device):
@@ -148,12 +170,12 @@ class VarlenBatch:
         self._cu_host = (torch.tensor(cu_q, dtype=torch.int64), torch.tensor(cu_k, dtype=torch.int64))
         self.lengths_q = self._cu_host[0][1:] - self._cu_host[0][:-1]  # [B]
         self.lengths_k = self._cu_host[1][1:] - self._cu_host[1][:-1]  # [B]
-        both = _to_device([cu_q, cu_k], device)  # [2, B + 1]: one copy for both
-        self.cu_seqlens_q, self.cu_seqlens_k = both[0], both[1]
+        self.cu_seqlens_q, self.cu_seqlens_k = _to_device(torch.stack(self._cu_host), device)  # one copy for both
         n = self.lengths_q.double()
-        mean = float((n ** 3).sum() / (n ** 2).sum()) if self.total_q else 1.0
-        self.length_class = min(10, max(6, round(math.log2(max(mean, 1.0)))))  # 64 .. 1024: where tiles differ
+        mean = float((n * n).sum() / n.sum()) if self.total_q else 0.0  # the token-weighted mean length
+        self.length_class = "short" if mean < SHORT_DOCUMENTS else "long"
         self._maps = {}
+        self._plans = {}
 
     def block_map(self, block, kind="q", causal=False):
         """``(seq_idx, start)``, int32 [P] on the batch's device: entry p is the block of ``block`` query rows
@@ -164,8 +186,7 @@ class VarlenBatch:
         key = (block, kind, bool(causal))
         if key not in self._maps:
             seq, start = _work_order(self._cu_host, self.lengths_q, self.lengths_k, block, kind, causal)
-            both = _to_device(torch.stack([seq, start]).tolist(), self.device)  # [2, P]
-            self._maps[key] = (both[0], both[1])
+            self._maps[key] = tuple(_to_device(torch.stack([seq, start]), self.device))  # [P], [P]
         return self._maps[key]
 
     def built_maps(self):
@@ -174,7 +195,8 @@ class VarlenBatch:
 
     def __repr__(self):
         return (f"VarlenBatch({self.num_seqs} sequences, {self.total_q} query / {self.total_k} key rows, "
-                f"max_seqlen {self.max_seqlen_q}/{self.max_seqlen_k}, on {self.device})")
+                f"max_seqlen {self.max_seqlen_q}/{self.max_seqlen_k}, {self.length_class} documents, "
+                f"on {self.device})")
 
 
 def _work_order(cu_host, lens_q, lens_k, block, kind, causal):
@@ -188,8 +210,11 @@ def _work_order(cu_host, lens_q, lens_k, block, kind, causal):
         raise ValueError(f"kind must be 'q' (query blocks) or 'k' (key blocks), got {kind!r}")
     lens = lens_q if kind == "q" else lens_k  # [B]
     n_blocks = (lens + block - 1) // block  # [B]
-    seq = torch.repeat_interleave(torch.arange(lens.numel()), n_blocks)  # [P] sequence by sequence
-    first = torch.cumsum(n_blocks, 0) - n_blocks  # [B] index of each sequence's first block
+    blocks_end = torch.cumsum(n_blocks, 0)  # [B] blocks of sequences 0..b together
+    # [P] sequence by sequence (searchsorted, not repeat_interleave: that one wakes the CPU's thread pool, which
+    # costs milliseconds per map on a busy host)
+    seq = torch.searchsorted(blocks_end, torch.arange(int(blocks_end[-1]) if lens.numel() else 0), right=True)
+    first = blocks_end - n_blocks  # [B] index of each sequence's first block
     j = torch.arange(seq.numel()) - first[seq]  # [P] block index within its sequence
     n, nk = lens_q[seq], lens_k[seq]  # [P]
     if kind == "q":
@@ -305,7 +330,7 @@ def varlen_block_map(cu_seqlens_q, BLOCK_M, total_q=None):
 # ----------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_q"])  # one compile for every batch size
 def _attn_fwd_varlen(
     Q, K, V, O, LSE,
     desc_k, desc_v,  # TMA path: descriptors over K, V viewed as [total_k, Hkv * D]
@@ -378,12 +403,22 @@ def _attn_fwd_varlen(
 _INTERPRETER_VARLEN_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class, around what the dense forward's autotuner chose
 # on the H200 (bench/results/h200.json: 128 x 64 for d = 64, 128 x 128 for d = 128 on long rows, 64 x 64 on
-# rows of 512 to 1024): a batch of short documents takes the smaller tile. The first one's BLOCK_M is
-# varlen_block_m(d), for lesson 10's maps.
+# rows of 512 to 1024). The first one's BLOCK_M is varlen_block_m(d), for lesson 10's maps.
 _VARLEN_SHAPES = {
     64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],  # d <= 64
     128: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     256: [(64, 64, 4, 3), (64, 32, 4, 3)],  # smaller tiles: q and two K/V stages fit shared memory
+}
+# Added on Hopper to the candidates of a batch of short documents (``VarlenBatch.length_class``,
+# ``class_candidates``). A document of 32 tokens is one program with one key tile, whose 528 causal pairs are a
+# sixteenth of a 128 x 64 tile: the program is mostly its q load, one K and V load and the stores, latencies
+# that only other programs on the SM can hide. Smaller tiles waste less, and two stages instead of three leave
+# shared memory for more programs side by side (d = 128: 128 KB a program at 128 x 64 x 3 stages, one per SM;
+# 48 KB at 64 x 32 x 2, four). BLOCK_M = 32 runs two warps (16 rows each).
+_VARLEN_SHORT_SHAPES = {
+    64: [(64, 32, 4, 2), (32, 32, 2, 2)],
+    128: [(64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 2, 2)],
+    256: [(32, 32, 4, 2)],
 }
 
 
@@ -393,6 +428,7 @@ def _d_class(d):
 
 
 SHAPES["varlen"] = lambda d: tile_configs(_VARLEN_SHAPES[_d_class(d)])
+SHAPES["varlen_short"] = lambda d: tile_configs(_VARLEN_SHORT_SHAPES[_d_class(d)])
 
 
 def varlen_block_m(d):
@@ -413,7 +449,24 @@ def candidates(smem_kind, configs, d, dtype, device):
     return fitting_configs(smem_kind, configs, d, dtype, cap, smem)
 
 
+def class_candidates(kind, smem_kind, d, dtype, device, length_class):
+    """The candidates of kernel ``kind`` ("varlen", "varlen_dkdv", "varlen_dq"; shared memory estimated as
+    ``smem_kind``) on a batch of this length class: ``candidates`` of its set, and for "short" on a Hopper GPU
+    (sm_90 and newer), after them, those of its short set (``SHAPES[kind + "_short"]``) that fit. The short sets
+    answer Hopper's tiles, whose three stages leave room for one program per SM; elsewhere the set alone."""
+    every = candidates(smem_kind, SHAPES[kind](d), d, dtype, device)
+    if length_class != "short" or interpreting() or device.type != "cuda":
+        return every
+    cap, smem = _device_limits(device)
+    if cap < (9, 0):
+        return every
+    elt = torch.empty((), dtype=dtype).element_size()
+    return every + [c for c in SHAPES[kind + "_short"](d)
+                    if c not in every and smem_estimate(smem_kind, c, d, elt, cap) <= smem]
+
+
 _chosen = {}  # shape class -> the configuration timed fastest on its first call
+_rejected = {}  # shape class -> [(configuration, error)] of the candidates that failed to compile or launch
 
 
 def chosen_configs():
@@ -421,11 +474,17 @@ def chosen_configs():
     return dict(_chosen)
 
 
+def rejected_configs():
+    """{shape class: [(configuration, error)]}: candidates left out because they failed (for the records)."""
+    return {key: list(v) for key, v in _rejected.items()}
+
+
 def tuned_launch(key, configs, launch, device):
     """Run ``launch(cfg)`` in the configuration chosen for ``key``: on the first call outside a CUDA graph capture,
     with more than one candidate on a GPU, each is timed (do_bench median; a launch may be repeated: every
-    kernel here writes its outputs, never adds to them) and the fastest kept. ``configs``: the candidates, or a
-    function that lists them (called only while ``key`` has no choice yet). Returns the configuration run."""
+    kernel here writes its outputs, never adds to them) and the fastest kept (a lone candidate is kept as it is);
+    a candidate that fails to compile or launch is left out (``rejected_configs``). ``configs``: the candidates,
+    or a function that lists them (called only while ``key`` has no choice yet). Returns the configuration run."""
     cfg = _chosen.get(key)
     if cfg is None:
         configs = configs() if callable(configs) else configs
@@ -436,14 +495,16 @@ def tuned_launch(key, configs, launch, device):
             for c in configs:
                 try:
                     ms = triton.testing.do_bench(lambda c=c: launch(c), warmup=5, rep=25, return_mode="median")
-                except triton.runtime.errors.OutOfResources as e:  # the estimate let through what does not fit
-                    error = e
+                except Exception as e:  # noqa: BLE001 - out of resources, or a compile error in this Triton
+                    error = error or e
+                    _rejected.setdefault(key, []).append((dict(c), f"{type(e).__name__}: {str(e)[:200]}"))
                     continue
                 if best is None or ms < best[0]:
                     best = (ms, c)
             if best is None:
                 raise error
             cfg = best[1]
+        if not capturing:  # timed, or the only candidate (the interpreter's tile): kept, the next call launches it
             _chosen[key] = cfg
     launch(cfg)
     return cfg
@@ -527,6 +588,135 @@ def _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return layout
 
 
+def _call_key(q, k, v, causal, sm_scale, window_size, softcap):
+    """What a call's launch plan depends on besides the batch (shapes, strides, dtypes, devices, the options): a
+    call with the same key runs the plan built, and checked, for the first one."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, causal.__class__, causal, sm_scale, window_size, softcap)
+
+
+def _plan_for(batch, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes):
+    """The forward's launch plan of this call on a ``VarlenBatch``: the one the batch keeps for the call's key
+    (every layer of a step after the first), else checked and built here (kept unless ALiBi slopes, a tensor that
+    may change between calls, are given)."""
+    if alibi_slopes is None:
+        try:
+            return batch._plans[_call_key(q, k, v, causal, sm_scale, window_size, softcap)]
+        except (KeyError, TypeError, AttributeError):  # not built yet; or not a tensor, not hashable: checked below
+            pass
+    total_q, H, d, total_k, Hkv = _check_packed(q, k, v)
+    _layout(q, total_q, total_k, batch, None, None, None, False)  # the batch fits q, k, v
+    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, batch.num_seqs, q.device, "num_seqs")
+    plan = _FwdPlan(q, k, v, batch, mods, sm_scale)
+    if alibi_slopes is None:
+        try:
+            batch._plans[_call_key(q, k, v, causal, sm_scale, window_size, softcap)] = plan
+            plan._layout = weakref.ref(batch)  # the batch keeps the plan: no cycle back
+        except TypeError:  # window_size as a list: checked, but not kept
+            pass
+    return plan
+
+
+class _LayoutRef:
+    """A plan's batch (``layout``): held strongly, or weakly by a plan the batch keeps itself, so that a batch and
+    its plans form no reference cycle: a step's batch, with its maps and plans, is freed as soon as the step drops
+    it (the autograd graph holds the batch through its backward)."""
+
+    _layout = None
+
+    @property
+    def layout(self):
+        layout = self._layout
+        return layout() if isinstance(layout, weakref.ref) else layout
+
+
+class _FwdPlan(_LayoutRef):
+    """Everything the forward's launch on one batch and one call shape needs but the tensors: the candidates' key,
+    then the chosen configuration's map, grid, arguments and constexprs. Built (and the inputs checked) on a
+    shape's first call; each later call allocates O and lse, makes the TMA descriptors of its k and v and
+    launches. ``mods``, ``sm_scale`` and ``layout`` stay for the backward (``varlen_backward``), which keeps its
+    own plan in ``bwd``."""
+
+    def __init__(self, q, k, v, layout, mods, sm_scale, block_map=None, use_tma=None, config=None):
+        total_q, H, d = q.shape
+        total_k, Hkv = k.shape[0], k.shape[1]
+        self._layout, self.mods, self.sm_scale, self.bwd = layout, mods, sm_scale, None
+        self.H, self.d, self.lse_shape = H, d, (H, total_q)
+        self.empty = total_q == 0 or total_k == 0
+        if self.empty:
+            return
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(d)
+        qk_scale = float(sm_scale) * LOG2E.value  # scores in base-2 units
+        self.block_map = None
+        if block_map is not None:
+            block_m = config["BLOCK_M"] if config is not None else varlen_block_m(d)
+            P = (total_q + layout.num_seqs * (block_m - 1)) // block_m
+            if not (isinstance(block_map, (tuple, list)) and len(block_map) == 2
+                    and all(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.shape == (P,)
+                            and t.device == q.device for t in block_map)):
+                raise ValueError(f"block_map must be varlen_block_map(cu_seqlens_q, {block_m}, {total_q}): two "
+                                 f"int32 tensors of shape ({P},) on {q.device}")
+            self.block_map, self.block_m = tuple(t.contiguous() for t in block_map), block_m
+        if use_tma is None:
+            use_tma = _use_tma_default(q)
+        _check_use_tma(use_tma, q)
+        self.use_tma = bool(use_tma)
+        self.kv_2d = [total_k, Hkv * d]  # K and V viewed as [total_k, Hkv * d] for their descriptors
+        self.kv_strides = [Hkv * d, 1]
+        # o = empty_like(q): q's strides
+        self.tail = (layout.cu_seqlens_q, layout.cu_seqlens_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                     v.stride(0), v.stride(1), q.stride(0), q.stride(1), total_q, H, Hkv, qk_scale, mods.slopes,
+                     mods.stride_sb, max(mods.left, 0), max(mods.right, 0), float(sm_scale), mods.cap)
+        self.meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), USE_TMA=self.use_tma, **mods.meta())
+        self.key = ("varlen", d, q.dtype, self.use_tma, mods.right >= 0, mods.left >= 0, mods.score_mod, H // Hkv,
+                    layout.length_class, block_map is not None, q.device.index)
+        self.dtype, self.device = q.dtype, q.device
+        self.config = dict(config) if config is not None else None
+        cfg = self.config or _chosen.get(self.key)
+        self.parts = self._parts(cfg) if cfg is not None else None
+
+    def _configs(self):  # the candidates: listed only on a shape class's first call
+        every = class_candidates("varlen", "varlen", self.d, self.dtype, self.device, self.layout.length_class)
+        if self.block_map is None:
+            return every
+        return [c for c in every if c["BLOCK_M"] == self.block_m] or [dict(every[0], BLOCK_M=self.block_m)]
+
+    def _parts(self, cfg):
+        """(the launcher of its grid or None, the arguments after the descriptors, the constexprs, the descriptors'
+        block) of configuration cfg."""
+        seq_idx, q_start = self.block_map or self.layout.block_map(cfg["BLOCK_M"], "q", self.mods.right >= 0)
+        grid = seq_idx.numel() * self.H  # [P] entries x the heads, the heads fastest
+        return (_attn_fwd_varlen[(grid,)] if grid else None, (seq_idx, q_start) + self.tail,
+                {**self.meta, **cfg}, [cfg["BLOCK_N"], self.d])
+
+    def _launch(self, parts, q, k, v, o, lse):
+        launcher, args, kwargs, block = parts
+        if launcher is None:
+            return
+        desc_k = desc_v = None
+        if self.use_tma:
+            desc_k = TensorDescriptor(k.view(self.kv_2d), self.kv_2d, self.kv_strides, block)  # [total_k, Hkv*d]
+            desc_v = TensorDescriptor(v.view(self.kv_2d), self.kv_2d, self.kv_strides, block)
+        launcher(q, k, v, o, lse, desc_k, desc_v, *args, **kwargs)
+
+    def run(self, q, k, v):
+        """(O [total_q, H, d], lse [H, total_q]) of this call's q, k, v (of the plan's shapes, checked there)."""
+        o = torch.empty_like(q)  # [total_q, H, d]: every row is written (each belongs to one map entry)
+        lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)  # [H, total_q]
+        if self.empty:  # no rows; or no sequence has a key: every row is empty (and nothing to point K at)
+            return (o, lse) if o.numel() == 0 else (o.zero_(), lse.fill_(float("-inf")))
+        if self.parts is not None:
+            self._launch(self.parts, q, k, v, o, lse)
+            return o, lse
+        tuned_launch(self.key, self._configs, lambda cfg: self._launch(self._parts(cfg), q, k, v, o, lse),
+                     q.device)
+        cfg = _chosen.get(self.key)
+        if cfg is not None:  # chosen now: the next calls launch it directly
+            self.parts = self._parts(cfg)
+        return o, lse
+
+
 def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                              causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              validate=True, block_map=None, use_tma=None, config=None):
@@ -536,7 +726,8 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqle
     h // (H // Hkv)). The layout, either way:
 
     * ``flash_attn_varlen_triton(q, k, v, batch, causal=...)`` with ``batch = prepare_varlen(...)``, made once
-      per batch: nothing is checked or built on the host here, nothing waits for the GPU;
+      per batch: nothing waits for the GPU; the first call of a shape checks the inputs and builds its launch
+      plan, which the batch keeps for the next layers' calls;
     * the library's ``cu_seqlens_q, cu_seqlens_k`` (int32 [B + 1] on q's device, 0 then the cumulative lengths:
       sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]];
       lengths may be 0 and may differ between q and k) and ``max_seqlen_q, max_seqlen_k`` (at least the longest
@@ -557,72 +748,10 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqle
     ``config["BLOCK_M"]``), launched as given. ``use_tma`` and ``config`` (BLOCK_M, BLOCK_N, num_warps,
     num_stages) are for benchmarking; None chooses (``tuned_launch``).
     """
+    if (isinstance(cu_seqlens_q, VarlenBatch) and cu_seqlens_k is None and max_seqlen_q is None
+            and max_seqlen_k is None and block_map is None and use_tma is None and config is None):
+        return _plan_for(cu_seqlens_q, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes).run(q, k, v)
     total_q, H, d, total_k, Hkv = _check_packed(q, k, v)
     layout = _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
     mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, layout.num_seqs, q.device, "num_seqs")
-    return _varlen_fwd(q, k, v, layout, mods, sm_scale, block_map, use_tma, config)
-
-
-def _varlen_fwd(q, k, v, layout, mods, sm_scale, block_map=None, use_tma=None, config=None):
-    """The forward's launch on checked inputs (``flash_attn_varlen_triton``'s checks, or the autograd Function's)."""
-    total_q, H, d = q.shape
-    total_k, Hkv = k.shape[0], k.shape[1]
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(d)
-    qk_scale = float(sm_scale) * LOG2E.value  # scores in base-2 units
-
-    o = torch.empty_like(q)  # [total_q, H, d]: every row is written (each belongs to one map entry)
-    lse = torch.empty((H, total_q), device=q.device, dtype=torch.float32)  # [H, total_q]
-    if total_q == 0:
-        return o, lse
-    if total_k == 0:  # no sequence has a key: every row is empty (and there is nothing to point K at)
-        return o.zero_(), lse.fill_(float("-inf"))
-    def configs():  # the candidates: listed only on a shape class's first call
-        every = candidates("varlen", SHAPES["varlen"](d), d, q.dtype, q.device)
-        if block_map is None:
-            return every
-        return [c for c in every if c["BLOCK_M"] == block_m] or [dict(every[0], BLOCK_M=block_m)]
-
-    if block_map is not None:
-        block_m = config["BLOCK_M"] if config is not None else varlen_block_m(d)
-        P = (total_q + layout.num_seqs * (block_m - 1)) // block_m
-        if not (isinstance(block_map, (tuple, list)) and len(block_map) == 2
-                and all(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.shape == (P,)
-                        and t.device == q.device for t in block_map)):
-            raise ValueError(f"block_map must be varlen_block_map(cu_seqlens_q, {block_m}, {total_q}): two int32 "
-                             f"tensors of shape ({P},) on {q.device}")
-        given = tuple(t.contiguous() for t in block_map)
-        map_for = lambda block: given  # noqa: E731
-    else:
-        map_for = lambda block: layout.block_map(block, "q", mods.right >= 0)  # noqa: E731
-    if use_tma is None:
-        use_tma = _use_tma_default(q)
-    _check_use_tma(use_tma, q)
-    desc_k = desc_v = None
-    if use_tma:
-        dummy_block = [16, d]  # set to [BLOCK_N, d] at each launch
-        desc_k = TensorDescriptor.from_tensor(k.view(total_k, Hkv * d), dummy_block)  # [total_k, Hkv*d]
-        desc_v = TensorDescriptor.from_tensor(v.view(total_k, Hkv * d), dummy_block)  # [total_k, Hkv*d]
-
-    tail = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-            total_q, H, Hkv, qk_scale,
-            mods.slopes, mods.stride_sb, max(mods.left, 0), max(mods.right, 0), float(sm_scale), mods.cap)
-    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), USE_TMA=bool(use_tma), **mods.meta())
-
-    def launch(cfg):
-        seq_idx, q_start = map_for(cfg["BLOCK_M"])  # [P], [P]
-        if seq_idx.numel() == 0:
-            return
-        if use_tma:
-            desc_k.block_shape = [cfg["BLOCK_N"], d]
-            desc_v.block_shape = [cfg["BLOCK_N"], d]
-        _attn_fwd_varlen[(seq_idx.numel() * H,)](q, k, v, o, lse, desc_k, desc_v, seq_idx, q_start,
-                                                 layout.cu_seqlens_q, layout.cu_seqlens_k, *tail, **meta, **cfg)
-
-    if config is not None:
-        launch(dict(config))
-    else:
-        key = ("varlen", d, q.dtype, bool(use_tma), mods.right >= 0, mods.left >= 0, mods.score_mod, H // Hkv,
-               layout.length_class, block_map is not None, q.device.index)
-        tuned_launch(key, configs, launch, q.device)
-    return o, lse
+    return _FwdPlan(q, k, v, layout, mods, sm_scale, block_map, use_tma, config).run(q, k, v)

@@ -37,14 +37,15 @@ import triton.language as tl
 from .backward import _DKDV_SHAPES_256, _DQ_SHAPES_256, _PRE_BLOCK_M, _bwd_dkdv_group, _bwd_dq_rows, _bwd_preprocess
 from .common import LOG2E, SHAPES, head_block, tile_configs
 from .forward import _check_mods
-from .varlen import (VarlenBatch, _check_packed, _d_class, _layout, _varlen_fwd, candidates,  # noqa: F401
+from . import varlen as _varlen
+from .varlen import (VarlenBatch, _LayoutRef, _check_packed, _d_class, _layout, _plan_for, class_candidates,  # noqa: F401
                      prepare_varlen, tuned_launch)  # VarlenBatch, prepare_varlen: re-exported
 
 __all__ = ["flash_attention_varlen", "flash_attn_varlen_bwd_triton", "FlashAttentionVarlenFunction",
            "varlen_bwd_configs", "prepare_varlen", "VarlenBatch"]  # the last two re-exported from .varlen
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_q"])  # one compile for every batch size
 def _bwd_dkdv_varlen(
     Q, K, V, DO, LSE2, DELTA, DK, DV,  # Q, DO [total_q, H, D]; K, V, DK, DV [total_k, Hkv, D]; LSE2, DELTA [H, total_q]
     SEQ_IDX, K_START, CU_Q, CU_K,  # the map over the keys [P], [P]; cu_seqlens [B + 1], [B + 1]
@@ -101,7 +102,7 @@ def _bwd_dkdv_varlen(
     tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_q"])
 def _bwd_dq_varlen(
     Q, K, V, DO, LSE2, DELTA, DQ,  # Q, DO, DQ [total_q, H, D]; K, V [total_k, Hkv, D]; LSE2, DELTA [H, total_q]
     SEQ_IDX, Q_START, CU_Q, CU_K,  # the map over the query rows [P], [P]; cu_seqlens [B + 1], [B + 1]
@@ -160,21 +161,29 @@ def _bwd_dq_varlen(
 # backward v1; bench/results/h200.json): the dK/dV kernel's large tile on long causal rows, its middle and small
 # ones on shorter rows and without a mask (at d = 128 each of them holds K, V, dK, dV in registers and ptxas spills
 # some: the timing decides); the dQ kernel's two, and at d = 128 its 64 x 32 tile, the one that fits the 99 KB of
-# sm_86/89. The first of each that fits is what runs where nothing is timed.
+# sm_86/89. The first of each that fits is what runs where nothing is timed. On Hopper a batch of short documents
+# (``VarlenBatch.length_class``) adds the 32 x 32 tile in two stages to both: a 32-token document's keys (dK/dV)
+# or rows (dQ) in one tile, and more programs side by side on an SM (the forward's short set says why).
 _VARLEN_BWD_SHAPES = {
     "dkdv": {64: [(32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
              128: [(128, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)], 256: _DKDV_SHAPES_256},
     "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
            256: _DQ_SHAPES_256},
 }
+_VARLEN_BWD_SHORT_SHAPES = {kind: {64: [(32, 32, 4, 2)], 128: [(32, 32, 4, 2)], 256: []} for kind in ("dkdv", "dq")}
 SHAPES.update(varlen_dkdv=lambda d: tile_configs(_VARLEN_BWD_SHAPES["dkdv"][_d_class(d)]),
-              varlen_dq=lambda d: tile_configs(_VARLEN_BWD_SHAPES["dq"][_d_class(d)]))
+              varlen_dq=lambda d: tile_configs(_VARLEN_BWD_SHAPES["dq"][_d_class(d)]),
+              varlen_dkdv_short=lambda d: tile_configs(_VARLEN_BWD_SHORT_SHAPES["dkdv"][_d_class(d)]),
+              varlen_dq_short=lambda d: tile_configs(_VARLEN_BWD_SHORT_SHAPES["dq"][_d_class(d)]))
 
 
-def varlen_bwd_configs(d, q):
-    """(dK/dV candidates, dQ candidates) for head dim d on q's device: the configurations of each kernel's set that
-    fit its shared memory (one fixed small tile under the interpreter). The launcher times them on first use."""
-    return tuple(candidates(kind, SHAPES[f"varlen_{kind}"](d), d, q.dtype, q.device) for kind in ("dkdv", "dq"))
+def varlen_bwd_configs(d, q, length_class="long"):
+    """(dK/dV candidates, dQ candidates) for head dim d on q's device and a batch of this length class: the
+    configurations of each kernel's set (and on sm_90 its short set, for "short") that fit its shared memory
+    (``varlen.class_candidates``; one fixed small tile under the interpreter). The launcher times them on first
+    use."""
+    return tuple(class_candidates(f"varlen_{kind}", kind, d, q.dtype, q.device, length_class)
+                 for kind in ("dkdv", "dq"))
 
 
 def flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
@@ -184,92 +193,138 @@ def flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
 
     q, o, do: [total_q, H, d]; k, v: [total_k, Hkv, d]; lse: [H, total_q] float32, the forward's second output
     (-inf on rows that saw no key: their gradients are 0). The layout: a ``VarlenBatch`` (``prepare_varlen``) in
-    place of cu_seqlens_q, nothing else checked or built on the host; or the library's cu_seqlens and max_seqlen,
-    exactly the forward's (``validate``: prepare a batch here, one host copy; False: nothing read back, lesson 10's
-    maps built on the device). causal (bottom-right per sequence), sm_scale, window_size, softcap, alibi_slopes:
-    the forward's. ``config``: {"dkdv": {...}, "dq": {...}} (BLOCK_M, BLOCK_N, num_warps, num_stages) fixes the
-    tiles; None chooses them (``varlen.tuned_launch``).
+    place of cu_seqlens_q (its launch plans kept per call shape, as the forward's); or the library's cu_seqlens
+    and max_seqlen, exactly the forward's (``validate``: prepare a batch here, one host copy; False: nothing read
+    back, lesson 10's maps built on the device). causal (bottom-right per sequence), sm_scale, window_size,
+    softcap, alibi_slopes: the forward's. ``config``: {"dkdv": {...}, "dq": {...}} (BLOCK_M, BLOCK_N, num_warps,
+    num_stages) fixes the tiles; None chooses them (``varlen.tuned_launch``).
     """
+    if (isinstance(cu_seqlens_q, VarlenBatch) and cu_seqlens_k is None and max_seqlen_q is None
+            and max_seqlen_k is None and config is None):
+        plan = _plan_for(cu_seqlens_q, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes)
+        _check_grad_inputs(do, o, lse, q, plan.H)
+        return _bwd_plan(plan, q, k).run(do, q, k, v, o.contiguous(), lse.contiguous())
     total_q, H, d, total_k, Hkv = _check_packed(q, k, v)
     layout = _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
     mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, layout.num_seqs, q.device, "num_seqs")
+    _check_grad_inputs(do, o, lse, q, H)
+    return _BwdPlan(q, k, layout, mods, sm_scale, config).run(do, q, k, v, o.contiguous(), lse.contiguous())
+
+
+def _check_grad_inputs(do, o, lse, q, H):
     for name, x in (("o", o), ("do", do)):
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(q.shape) or x.device != q.device:
             raise ValueError(f"{name} must be a tensor of q's shape {tuple(q.shape)} on {q.device}")
-    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (H, total_q) or lse.dtype != torch.float32:
-        raise ValueError(f"lse must be a float32 tensor of shape {(H, total_q)} (the forward's second output)")
-    return _varlen_bwd(do, q, k, v, o, lse, layout, mods, sm_scale, config)
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (H, q.shape[0]) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be a float32 tensor of shape {(H, q.shape[0])} (the forward's second output)")
 
 
-def _varlen_bwd(do, q, k, v, o, lse, layout, mods, sm_scale, config=None):
-    """The backward's launches on checked inputs (the autograd Function's backward comes here directly: its
-    tensors are the forward's, checked there)."""
-    total_q, H, d = q.shape
-    total_k, Hkv = k.shape[0], k.shape[1]
-    do = do.to(q.dtype).contiguous()
-    o, lse = o.contiguous(), lse.contiguous()
-    sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
-    qk_scale = sm_scale * LOG2E.value
-    if total_q == 0 or total_k == 0:  # no row sees a key: every gradient is 0
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    # every row of dq and every key of dk, dv belongs to one block of its map, whose program writes it (0 where
-    # nothing is seen), so nothing needs zeroing first
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _bwd_plan(fwd, q, k):
+    """The backward's plan of a forward plan (``varlen._FwdPlan``: the same batch, shapes and options; q and k of
+    its shapes), built on its first backward and kept beside it."""
+    if fwd.bwd is None:
+        fwd.bwd = _BwdPlan(q, k, fwd.layout, fwd.mods, fwd.sm_scale)
+        fwd.bwd._layout = fwd._layout  # weak where the forward's is (a plan its batch keeps)
+    return fwd.bwd
 
-    delta = torch.empty((H, total_q), device=q.device, dtype=torch.float32)  # [H, total_q] rowsum(dO * O)
-    lse2 = torch.empty_like(delta)  # [H, total_q] lse in base 2, +inf on empty rows
-    # the dense preprocess with the packed strides: "head" h starts at column h * d, rows are H * d apart
-    _bwd_preprocess[(triton.cdiv(total_q, _PRE_BLOCK_M), H)](o, do, lse, delta, lse2, total_q, d, H * d, HEAD_DIM=d,
-                                                             BLOCK_M=_PRE_BLOCK_M, BLOCK_D=head_block(d))
-    causal_map = mods.right >= 0
-    meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), **mods.meta())
-    mod_args = (mods.slopes, mods.stride_sb, max(mods.left, 0), max(mods.right, 0), mods.cap)
-    cu_q, cu_k = layout.cu_seqlens_q, layout.cu_seqlens_k
 
-    def launch_dkdv(cfg):
-        seq_k, k_start = layout.block_map(cfg["BLOCK_N"], "k", causal_map)  # [P_k], [P_k]: key blocks
-        if seq_k.numel():
-            _bwd_dkdv_varlen[(seq_k.numel() * Hkv,)](q, k, v, do, lse2, delta, dk, dv, seq_k, k_start, cu_q, cu_k,
-                                                     total_q, H, Hkv, qk_scale, sm_scale, *mod_args, **meta, **cfg)
+class _BwdPlan(_LayoutRef):
+    """The backward's three launches on one batch and one call shape, everything but the tensors: the preprocess
+    (D = rowsum(dO * O), the lse in base 2), then the dK/dV and dQ kernels in their chosen configurations (each
+    timed on its shape class's first call, ``varlen.tuned_launch``)."""
 
-    def launch_dq(cfg):
-        seq_q, q_start = layout.block_map(cfg["BLOCK_M"], "q", causal_map)  # [P_q], [P_q]: query blocks
-        if seq_q.numel():
-            _bwd_dq_varlen[(seq_q.numel() * H,)](q, k, v, do, lse2, delta, dq, seq_q, q_start, cu_q, cu_k,
-                                                 total_q, H, Hkv, qk_scale, sm_scale, *mod_args, **meta, **cfg)
+    def __init__(self, q, k, layout, mods, sm_scale, config=None):
+        total_q, H, d = q.shape[0], q.shape[1], q.shape[2]
+        total_k, Hkv = k.shape[0], k.shape[1]
+        self._layout, self.mods, self.H, self.Hkv, self.d = layout, mods, H, Hkv, d
+        self.dtype, self.device = q.dtype, q.device
+        self.empty = total_q == 0 or total_k == 0  # no row sees a key: every gradient is 0
+        if self.empty:
+            return
+        sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
+        self.n, self.n_pad = H * total_q, -(-H * total_q // 4) * 4  # D and the lse2 in one buffer, each aligned
+        self.shape = (H, total_q)
+        # the dense preprocess with the packed strides: "head" h starts at column h * d, rows are H * d apart
+        self.pre = _bwd_preprocess[(triton.cdiv(total_q, _PRE_BLOCK_M), H)]
+        self.pre_args = (total_q, d, H * d)
+        self.pre_meta = dict(HEAD_DIM=d, BLOCK_M=_PRE_BLOCK_M, BLOCK_D=head_block(d))
+        self.causal = mods.right >= 0
+        self.meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), **mods.meta())
+        self.tail = (layout.cu_seqlens_q, layout.cu_seqlens_k, total_q, H, Hkv, sm_scale * LOG2E.value, sm_scale,
+                     mods.slopes, mods.stride_sb, max(mods.left, 0), max(mods.right, 0), mods.cap)
+        shape_class = (d, q.dtype, mods.right >= 0, mods.left >= 0, mods.score_mod, H // Hkv, layout.length_class,
+                       q.device.index)
+        self.keys = {"dkdv": ("varlen dkdv",) + shape_class, "dq": ("varlen dq",) + shape_class}
+        self.config = config
+        self.parts = {}
+        for kind in ("dkdv", "dq"):
+            cfg = config[kind] if config is not None else _varlen._chosen.get(self.keys[kind])
+            if cfg is not None:
+                self.parts[kind] = self._parts(kind, dict(cfg))
 
-    shape_class = (d, q.dtype, mods.right >= 0, mods.left >= 0, mods.score_mod, H // Hkv, layout.length_class,
-                   q.device.index)
-    if config is not None:
-        launch_dkdv(dict(config["dkdv"]))
-        launch_dq(dict(config["dq"]))
-    else:
-        tuned_launch(("varlen dkdv",) + shape_class, lambda: varlen_bwd_configs(d, q)[0], launch_dkdv, q.device)
-        tuned_launch(("varlen dq",) + shape_class, lambda: varlen_bwd_configs(d, q)[1], launch_dq, q.device)
-    return dq, dk, dv
+    def _parts(self, kind, cfg):
+        """(the launcher of its grid or None, the map, the constexprs) of kernel kind in configuration cfg."""
+        if kind == "dkdv":  # key blocks of BLOCK_N, one program per (entry, KV head)
+            seq, start = self.layout.block_map(cfg["BLOCK_N"], "k", self.causal)
+            grid, fn = seq.numel() * self.Hkv, _bwd_dkdv_varlen
+        else:  # query blocks of BLOCK_M, one program per (entry, query head)
+            seq, start = self.layout.block_map(cfg["BLOCK_M"], "q", self.causal)
+            grid, fn = seq.numel() * self.H, _bwd_dq_varlen
+        return (fn[(grid,)] if grid else None, (seq, start) + self.tail, {**self.meta, **cfg})
+
+    def _configs(self, kind):
+        return varlen_bwd_configs(self.d, self, self.layout.length_class)[0 if kind == "dkdv" else 1]
+
+    def run(self, do, q, k, v, o, lse):
+        """(dq, dk, dv) for this call's tensors (of the plan's shapes; o and lse the forward's)."""
+        if self.empty:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if do.dtype != q.dtype or not do.is_contiguous():
+            do = do.to(q.dtype).contiguous()
+        # every row of dq and every key of dk, dv belongs to one block of its map, whose program writes it (0 where
+        # nothing is seen), so nothing needs zeroing first
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        buf = torch.empty(2 * self.n_pad, device=q.device, dtype=torch.float32)
+        delta = buf[:self.n].view(self.shape)  # [H, total_q] rowsum(dO * O)
+        lse2 = buf[self.n_pad:self.n_pad + self.n].view(self.shape)  # [H, total_q] lse in base 2, +inf on empty rows
+        self.pre(o, do, lse, delta, lse2, *self.pre_args, **self.pre_meta)
+        for kind, outs in (("dkdv", (dk, dv)), ("dq", (dq,))):
+            head = (q, k, v, do, lse2, delta) + outs
+            parts = self.parts.get(kind)
+            if parts is None:
+                tuned_launch(self.keys[kind], lambda kind=kind: self._configs(kind),
+                             lambda cfg, kind=kind, head=head: self._launch(self._parts(kind, cfg), head), q.device)
+                cfg = _varlen._chosen.get(self.keys[kind])
+                if cfg is not None:
+                    self.parts[kind] = self._parts(kind, cfg)
+            else:
+                self._launch(parts, head)
+        return dq, dk, dv
+
+    @staticmethod
+    def _launch(parts, head):
+        launcher, args, kwargs = parts
+        if launcher is not None:
+            launcher(*head, *args, **kwargs)
 
 
 class FlashAttentionVarlenFunction(torch.autograd.Function):
-    """O = flash_attn_varlen_func(q, k, v, ...) with the course's Triton forward and backward, on a ``VarlenBatch``
-    (the backward uses exactly the batch the forward ran on)."""
+    """O = flash_attn_varlen_func(q, k, v, ...) with the course's Triton forward and backward, on a launch plan of a
+    ``VarlenBatch`` (``varlen._plan_for``: the batch, the shapes and the options, checked when it was built); the
+    backward runs on exactly the batch the forward ran on."""
 
     @staticmethod
-    def forward(ctx, q, k, v, batch, causal, sm_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
-        total_q, H, _, total_k, _ = _check_packed(q, k, v)
-        _layout(q, total_q, total_k, batch, None, None, None, False)  # the batch fits q, k, v
-        mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, batch.num_seqs, q.device, "num_seqs")
-        o, lse = _varlen_fwd(q, k, v, batch, mods, sm_scale)
+    def forward(ctx, q, k, v, plan):
+        o, lse = plan.run(q, k, v)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.batch = batch
-        ctx.args = (mods, sm_scale)
+        ctx.plan, ctx.batch = plan, plan.layout  # the batch lives until the backward has run
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        mods, sm_scale = ctx.args
-        dq, dk, dv = _varlen_bwd(do, q, k, v, o, lse, ctx.batch, mods, sm_scale)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = _bwd_plan(ctx.plan, q, k).run(do, q, k, v, o, lse)
+        return dq, dk, dv, None
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -279,7 +334,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv; d a multiple of 8 up to 256. The layout:
 
     * ``flash_attention_varlen(q, k, v, batch, causal=True)`` with ``batch = prepare_varlen(cu_seqlens)`` made once
-      per batch and passed to every layer (the training path: no host sync in the forward or the backward);
+      per batch and passed to every layer (the training path: no host sync in the forward or the backward; the
+      first layer's call checks the inputs and builds the launch plans, the other layers' calls reuse them);
     * or the library's ``cu_seqlens_q, cu_seqlens_k`` (int32 [B + 1], 0 then the cumulative lengths) and
       ``max_seqlen_q, max_seqlen_k``: checked and prepared in this call (one copy of cu_seqlens to the host, the
       maps built again: the slow path, for a single call).
@@ -289,8 +345,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     ``flash_attn_varlen_triton``).
     """
     if isinstance(cu_seqlens_q, VarlenBatch) and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None:
-        batch = cu_seqlens_q  # the forward checks q, k, v against it
+        batch = cu_seqlens_q
     else:
         total_q, _, _, total_k, _ = _check_packed(q, k, v)
         batch = _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, True)
-    return FlashAttentionVarlenFunction.apply(q, k, v, batch, causal, sm_scale, window_size, softcap, alibi_slopes)
+    plan = _plan_for(batch, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes)
+    return FlashAttentionVarlenFunction.apply(q, k, v, plan)
