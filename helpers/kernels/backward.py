@@ -62,26 +62,37 @@ DEFAULT_DQ_MODE = "separate"
 
 @triton.jit(do_not_specialize=["N"])
 def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, N, stride_oh, stride_om, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr, H=1, stride_ob=None, stride_dob=None, stride_doh=None, stride_dom=None):
+                    BLOCK_D: tl.constexpr):
     # grid = (cdiv(N, BLOCK_M), B * H). O, DO: row n of head bh at bh * stride_oh + n * stride_om (dense
-    # [B, H, N, d]: N * d and d; packed [total_q, H, d]: d and H * d); LSE, DELTA, LSE2 [B*H, N] contiguous.
-    # With stride_ob (any dense strides): head bh = b * H + h at b * stride_ob + h * stride_oh, and DO with its own
-    # strides (stride_dob, stride_doh, stride_dom).
+    # [B, H, N, d]: N * d and d; packed [total_q, H, d]: d and H * d); LSE, DELTA, LSE2 [B*H, N] contiguous
     off_bh = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    ptrs = off_bh * stride_oh + rows[:, None] * stride_om  # [BLOCK_M, 1]
+    _preprocess_rows(O + ptrs, DO + ptrs, LSE, DELTA, LSE2, off_bh, rows, N, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _bwd_preprocess_strided(O, DO, LSE, DELTA, LSE2, N, H, stride_ob, stride_oh, stride_om, stride_dob, stride_doh,
+                            stride_dom, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid = (cdiv(N, BLOCK_M), B * H): the dense backward's, O and dO [B, H, N, d] each with its own strides
+    off_bh = tl.program_id(1).to(tl.int64)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + rows[:, None].to(tl.int64) * stride_om  # [BLOCK_M, 1]
+    do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + rows[:, None].to(tl.int64) * stride_dom
+    _preprocess_rows(o_ptrs, do_ptrs, LSE, DELTA, LSE2, off_bh, rows, N, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _preprocess_rows(o_rows, do_rows, LSE, DELTA, LSE2, off_bh, rows, N, HEAD_DIM: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """D = rowsum(dO * O) and lse2 for one block of rows; o_rows, do_rows [BLOCK_M, 1]: each row's first element."""
     offs_d = tl.arange(0, BLOCK_D)  # [D]; columns past HEAD_DIM masked
     ok = rows < N
     io_ok = ok[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_M, D]
-    if stride_ob is None:
-        ptrs = off_bh * stride_oh + rows[:, None] * stride_om + offs_d[None, :]  # [BLOCK_M, D]
-        do_ptrs = ptrs
-    else:
-        off_b = off_bh // H
-        off_h = off_bh % H
-        ptrs = off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_om + offs_d[None, :]  # [BLOCK_M, D]
-        do_ptrs = off_b * stride_dob + off_h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :]
-    o = tl.load(O + ptrs, mask=io_ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + do_ptrs, mask=io_ok, other=0.0).to(tl.float32)
+    o = tl.load(o_rows + offs_d[None, :], mask=io_ok, other=0.0).to(tl.float32)
+    do = tl.load(do_rows + offs_d[None, :], mask=io_ok, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)  # [BLOCK_M]
     lse = tl.load(LSE + off_bh * N + rows, mask=ok, other=0.0)  # [BLOCK_M] natural log
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # base 2; +inf: P = 0
@@ -610,10 +621,9 @@ def _flash_bwd(do, q, k, v, o, lse, mods, sm_scale, diag0, *, dq_mode=None, drop
 
     delta = torch.empty((B, H, N), device=q.device, dtype=torch.float32)  # [B, H, N] rowsum(dO * O)
     lse2 = torch.empty_like(delta)  # [B, H, N] lse in base 2, +inf on empty rows
-    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](
-        o, do, lse, delta, lse2, N, o.stride(1), o.stride(2), HEAD_DIM=d, BLOCK_M=_PRE_BLOCK_M,
-        BLOCK_D=head_block(d), H=H, stride_ob=o.stride(0), stride_dob=do.stride(0), stride_doh=do.stride(1),
-        stride_dom=do.stride(2))
+    _bwd_preprocess_strided[(triton.cdiv(N, _PRE_BLOCK_M), B * H)](
+        o, do, lse, delta, lse2, N, H, *_strides3(o), *_strides3(do), HEAD_DIM=d, BLOCK_M=_PRE_BLOCK_M,
+        BLOCK_D=head_block(d))
     dk = torch.empty_like(k) if dk is None else dk  # [B, Hkv, Nk, d]
     dv = torch.empty_like(v) if dv is None else dv  # [B, Hkv, Nk, d]
     dq = torch.empty_like(q) if dq is None else dq  # [B, H, N, d]
