@@ -79,7 +79,7 @@ def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_tab
     n0, n1, Hkv, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"k_cache's head dimension is {dk}, q's is {d}")
-    _check_head_dim(d)
+    _check_head_dim(d, any_d=True)
     if B == 0 or Nq == 0 or H == 0:
         raise ValueError(f"empty input: q {tuple(q.shape)}")
     if Hkv == 0 or H % Hkv != 0:
