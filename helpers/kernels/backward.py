@@ -3,9 +3,9 @@
 Public:
 
 * ``flash_attn_bwd_triton(do, q, k, v, o, lse, causal=False, sm_scale=None, align="top_left", *,
-  window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> (dq, dk, dv)``
+  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None) -> (dq, dk, dv)``
 * ``flash_attention(q, k, v, causal=False, sm_scale=None, align="top_left", *, window_size=(-1, -1), softcap=0.0,
-  alibi_slopes=None) -> O``: differentiable;
+  alibi_slopes=None, dropout_p=0.0, rng_state=None) -> O``: differentiable;
   forward = ``helpers.kernels.forward.flash_attn_triton`` (which also returns the lse the backward needs),
   backward = the kernels below.
 
@@ -29,6 +29,12 @@ in a loop with one, and tiles nobody sees are never visited. Both alignments of 
 softcap and ALiBi use the forward's switches: a window's lower bound adds a masked band on the other side (rows
 past it in the dK/dV kernel, keys before it in the dQ kernel, never visited beyond), P is recomputed from the
 modified score, and dS goes through the softcap as dS * (1 - tanh^2) (ALiBi's bias passes it through).
+
+Dropout (the forward's ``dropout_p`` and ``rng_state``): the mask Z is regenerated tile by tile from the same
+Philox counters (``common._dropout_keep``), dV = (P * Z)^T dO / (1 - p), dP = Z * (dO V^T) / (1 - p), and D =
+rowsum(dO * O) is unchanged (O is the dropped P times V). Any head dim from 1 to 256 and any strides with a unit
+stride along d, as the forward (``_flash_bwd`` writes dq, dk, dv where it is told: the drop-in's packed forms pass
+views of one packed gradient).
 
 ``dq_mode="separate"`` is deterministic (every dQ element is written once by one program);
 ``dq_mode="atomic"`` adds fp32 partials from many programs in whatever order they finish, so dQ can

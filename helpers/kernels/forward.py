@@ -1,5 +1,6 @@
 """The FlashAttention-2 forward in Triton (lesson 07): ``flash_attn_triton(q, k, v, causal=False, sm_scale=None,
-align="top_left", *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> (O, lse)``.
+align="top_left", *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None)
+-> (O, lse)``.
 
 k, v may have fewer heads than q (grouped-query attention). One program owns BLOCK_M query rows of one
 (batch, head), keeps them in registers and streams the keys and values past them BLOCK_N at a time, with the
@@ -12,11 +13,20 @@ variable-length forward (``helpers/kernels/varlen.py``).
 The FlashAttention library's options, as ``tl.constexpr`` switches of the same loop (off: the code of plain
 attention, unchanged): a sliding window (``window_size``; the upper bound reuses the causal switch, the lower
 bound ``WINDOW`` adds a masked lower band before the full tiles, and keys below it are never visited), Gemma 2's
-softcap and ALiBi (``SCORE_MOD``: the score is modified in natural units, then times log2(e)). ``_check_mods``
-and ``Mods`` check the arguments for every launcher (dense, packed, forward, backward).
+softcap and ALiBi, either or both (``SCORE_MOD`` bits: the score is modified in natural units, the cap first, then
+times log2(e)), and dropout (``DROPOUT``: each entry of P kept or dropped by a Philox draw on its own counter, so
+``l_i`` sums the undropped P and the lse is the undropped one, as the library's; ``dropout_keep_mask`` writes the
+same mask for a reference). ``_check_mods`` and ``Mods`` check the arguments for every launcher (dense, packed,
+forward, backward).
 
-References: Dao, "FlashAttention-2" (2023), Algorithm 1; the fused-attention tutorial of Triton. Written for
-this course; numbers in bench/NOTES.md.
+Any head dim from 1 to 256: the tiles are ``head_block(d)`` wide (a power of two), loads and stores masked along
+d. Any strides with a unit stride along d: the library's ``[B, N, H, d]`` is read in place as a transposed view
+(``_flash_fwd``, the launch the drop-in ``helpers/kernels/interface.py`` calls), K and V through TMA where one 2-D
+descriptor can view them (``_tma_layout``: head-major or token-major).
+
+References: Dao, "FlashAttention-2" (2023), Algorithm 1; the fused-attention tutorial of Triton; Salmon et al.,
+"Parallel random numbers: as easy as 1, 2, 3" (2011) for Philox. Written for this course; numbers in
+bench/NOTES.md.
 
 Runs on a CUDA GPU (fp16, bf16; fp32 with tf32 dots) or, without one (``helpers.triton_mode`` sets
 ``TRITON_INTERPRET=1`` before Triton is imported), on the CPU through Triton's interpreter (fp32, fp16; one
@@ -253,7 +263,8 @@ def _attn_fwd(
 
     row_ok = offs_m < N  # [BLOCK_M] the last block may run past N
     io_ok = row_ok[:, None] & d_ok[None, :]  # [BLOCK_M, D]
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=io_ok, other=0.0)  # [BLOCK_M, D]
+    rows64 = offs_m[:, None].to(tl.int64)  # [BLOCK_M, 1]: the library's [B, N, H, d] puts rows H * d apart
+    q = tl.load(q_base + rows64 * stride_qm + offs_d[None, :], mask=io_ok, other=0.0)  # [BLOCK_M, D]
     slope = 0.0
     if SCORE_MOD & 2:
         slope = tl.load(SLOPES + off_b * stride_sb + off_h)
@@ -264,7 +275,7 @@ def _attn_fwd(
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA, WINDOW, SCORE_MOD, DROPOUT, p_drop, seed, drop_off, off_bh,
     )
     tl.store(LSE + off_bh.to(tl.int64) * N + offs_m, lse, mask=row_ok)
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), mask=io_ok)
+    tl.store(o_base + rows64 * stride_om + offs_d[None, :], acc.to(O.dtype.element_ty), mask=io_ok)
 
 
 # ----------------------------------------------------------------------------
