@@ -190,7 +190,7 @@ def grid(native=ON_GPU, seed=0):
         dtypes, max_len = ("fp16", "bf16"), 300
         options = [(c, lo, a, s, p) for c in (False, True) for lo in (False, True) for a in (False, True)
                    for s in (False, True) for p in (False, True)]
-        plan = [(kind, rng.choice(options)) for kind in KINDS for _ in range(60)]
+        plan = [(kind, rng.choice(options)) for kind in KINDS for _ in range(20)]
     else:
         dims = (5, 16, 40, 59, 64, 111)
         pairs = [(1, 23), (17, 31), (31, 17), (24, 24), (33, 20), (8, 40)]
@@ -289,9 +289,12 @@ def _make(case, seed):
         lambda ls, **r: per_sequence(*ls, **r), slopes
 
 
-# The rule's one addition to the library's: 1e-5 absolute, far below a half-precision ulp at the outputs' scale, for
-# the degenerate cases where PyTorch's own error is exactly 0 (a sequence whose rows see one key: P = 1, dq = 0).
-FLOOR = 1e-5
+def _floor(ref, dtype):
+    """The rule's one addition to the library's: one unit in the last place of the dtype at the reference's largest
+    magnitude. At the small sizes of the interpreter's grid PyTorch's own error is a single rounding of the output
+    (half an ulp, or 0 where rows see one key: P = 1), and without it the rule would be decided by which side of a
+    rounding the largest entry fell on; at the library's sizes its errors are many ulps and this changes nothing."""
+    return torch.finfo(dtype).eps * ref.abs().max().item()
 
 
 def _dropout_mask(case, S_dmask):
@@ -321,35 +324,65 @@ def run_case(case, seed=0):
     assert torch.equal(torch.isneginf(lse), ~seen), f"{case.id}: rows that see no key: lse = -inf exactly"
     assert _err(lse[seen], lse_ref[seen]) < 2e-2, f"{case.id}: lse"
     e, e_pt = _err(out, out_ref), _err(out_pt, out_ref)
-    assert e <= 2 * e_pt + FLOOR, f"{case.id}: output error {e:.3g} > 2 x PyTorch's {e_pt:.3g}"
+    assert e <= 2 * e_pt + _floor(out_ref, out.dtype), f"{case.id}: output error {e:.3g} > 2 x PyTorch's {e_pt:.3g}"
     if keep is not None:
         assert S_dmask.dtype == out.dtype
-    gout = torch.randn_like(out)
+    gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out)
     grads = torch.autograd.grad(out, leaves, gout)
     grads_ref = torch.autograd.grad(out_ref, leaves, gout)
     grads_pt = torch.autograd.grad(out_pt, leaves, gout)
     for i, (gk, gr, gp) in enumerate(zip(grads, grads_ref, grads_pt)):
         e, e_pt = _err(gk, gr), _err(gp, gr)
         assert gk.shape == leaves[i].shape
-        assert e <= 3 * e_pt + FLOOR, f"{case.id}: gradient {i} error {e:.3g} > 3 x PyTorch's {e_pt:.3g}"
+        assert e <= 3 * e_pt + _floor(gr, gk.dtype), f"{case.id}: gradient {i} error {e:.3g} > 3 x PyTorch's {e_pt:.3g}"
+
+
+@pytest.fixture
+def pinned_tiles(monkeypatch):
+    """Natively, the grid's launches in the first configuration each launcher keeps for the GPU, not autotuned:
+    every case is a new shape class (head dim, masks, score mod, dropout), and timing every candidate of each would
+    take the grid many minutes of compiling. (The autotuned path runs in the other tests here.) Under the
+    interpreter the launchers have one fixed configuration anyway."""
+    if not ON_GPU:
+        return
+    from helpers.kernels import common as kc
+    from helpers.kernels.varlen import SHAPES, candidates
+    from helpers.kernels.varlen_backward import varlen_bwd_configs
+
+    def fits(kind, q):
+        cap, smem = kc._device_limits(q.device)
+        return kc.launch_configs(kind, q.shape[-1], q.dtype, cap, smem)[0]
+    fwd, bwd = fa._flash_fwd, fa._flash_bwd
+    vfwd, vbwd = fa.flash_attn_varlen_triton, fa.flash_attn_varlen_bwd_triton
+    monkeypatch.setattr(fa, "_flash_fwd", lambda q, *a, **kw: fwd(q, *a, config=fits("fwd", q), **kw))
+    monkeypatch.setattr(fa, "_flash_bwd", lambda do, q, *a, **kw: bwd(do, q, *a, **kw, config=dict(
+        dkdv=fits("dkdv", q), dq=fits("dq", q))))
+    monkeypatch.setattr(fa, "flash_attn_varlen_triton", lambda q, *a, **kw: vfwd(q, *a, **kw, config=candidates(
+        "varlen", SHAPES["varlen"](q.shape[-1]), q.shape[-1], q.dtype, q.device)[0]))
+    monkeypatch.setattr(fa, "flash_attn_varlen_bwd_triton", lambda do, q, *a, **kw: vbwd(do, q, *a, **kw, config=dict(
+        zip(("dkdv", "dq"), (c[0] for c in varlen_bwd_configs(q.shape[-1], q))))))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_library_rule_on_the_grid(case):
+def test_library_rule_on_the_grid(case, pinned_tiles):
     run_case(case, seed=CASES.index(case))
 
 
-def test_grid_covers_the_options():
-    """Every form meets every option, and the head dims that are not multiples of 8, N > Nk and N < Nk."""
+@pytest.mark.parametrize("native", [False, True], ids=["interpreter", "native"])
+def test_grid_covers_the_options(native):
+    """Both grids: every form meets every option, and the head dims that are not multiples of 8, N > Nk and
+    N < Nk, MQA and GQA."""
+    cases = grid(native)
     for kind in KINDS:
-        mine = [c for c in CASES if c.kind == kind]
+        mine = [c for c in cases if c.kind == kind]
         assert any(c.d % 8 for c in mine), kind
         assert any(c.causal for c in mine) and any(c.window != (-1, -1) for c in mine), kind
         assert any(c.alibi and c.softcap for c in mine) and any(c.dropout for c in mine), kind
-    dense = [c for c in CASES if "varlen" not in c.kind]
+        assert any(c.alibi and not c.softcap and refusal(c) is None for c in mine), kind
+    dense = [c for c in cases if "varlen" not in c.kind]
     assert any(c.lens_q[0] > c.lens_k[0] for c in dense) and any(c.lens_q[0] < c.lens_k[0] for c in dense)
-    assert {c.Hkv == 1 for c in CASES} == {True, False}
-    assert any(c.paged for c in CASES)
+    assert {c.Hkv == 1 for c in cases} == {True, False} and any(1 < c.Hkv < c.H for c in cases)
+    assert any(c.paged for c in cases)
 
 
 def grid_counts(cases=None):
