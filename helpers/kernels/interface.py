@@ -39,8 +39,6 @@ with zeros (as the library itself does before its kernels), and the packed kv an
 Written for this course.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 
