@@ -49,12 +49,13 @@ class Job:
     meta: dict = field(default_factory=dict)
 
 
-def signature(fn, ptrs, floats=(), constexprs=None, ints16=()):
+def signature(fn, ptrs, floats=(), constexprs=None, ints16=(), aligned_strides=True):
     """ASTSource's signature: ``ptrs`` name -> dtype ("fp16", ...), ``floats`` fp32 scalars, ``constexprs``
     (name -> value, a TensorDescriptor's signature string for a descriptor), every other argument an i32.
     Specialised as Triton's launcher specialises the course's launches: pointers 16-byte aligned, the strides
     and the ``ints16`` multiples of 16 (they decide whether loads are vectorised and pipelined, and so how
-    much shared memory a kernel takes)."""
+    much shared memory a kernel takes); ``aligned_strides=False``: the strides not (a head dim that is not a
+    multiple of 8: rows of the library's [B, N, H, d] are not 16-byte aligned)."""
     constexprs = dict(constexprs or {})
     declared = {p.name for p in fn.params if p.is_constexpr}  # annotated tl.constexpr in the kernel's signature
     sig = {}
@@ -75,7 +76,8 @@ def signature(fn, ptrs, floats=(), constexprs=None, ints16=()):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-    aligned = [n for n in fn.arg_names if n in ptrs or n in ints16 or (n.startswith("stride") and sig[n] == "i32")]
+    aligned = [n for n in fn.arg_names if n in ptrs or n in ints16
+               or (aligned_strides and n.startswith("stride") and sig[n] == "i32")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return sig, constexprs, attrs
 
@@ -156,7 +158,7 @@ def _plan(cc, kind, variants, plain_extras=True):
 # (WINDOW, SCORE_MOD) with SCORE_MOD 0 none, 1 softcap, 2 ALiBi. On VARIANT_TARGETS a window with softcap (fp16,
 # d = 128) and with ALiBi (bf16, d = 64) in the first configuration; the windowed forward also on MODS_FWD_TARGETS.
 MODS_FWD_TARGETS = (80, 75)
-_MOD_NAMES = {0: "", 1: " softcap", 2: " ALiBi"}
+_MOD_NAMES = {0: "", 1: " softcap", 2: " ALiBi", 3: " softcap + ALiBi"}
 
 
 def _mods_plan(cc, kind, variant, fwd=False):
@@ -170,9 +172,32 @@ def _mods_plan(cc, kind, variant, fwd=False):
     return []
 
 
+# The dense kernels' newest switches: softcap with ALiBi (SCORE_MOD 3), dropout (DROPOUT) and a head dim that is not a
+# multiple of 8 (ODD_D: computed 64 wide, strides unaligned), on NEW_VARIANT_TARGETS in the first configuration.
+NEW_VARIANT_TARGETS = (90, 75)
+ODD_D = 59
+
+
+def _new_plan(cc, kind, variant, dtype="fp16"):
+    """(dtype, d, cfg, variant + (WINDOW, SCORE_MOD, DROPOUT)) on NEW_VARIANT_TARGETS: softcap with ALiBi and dropout
+    at d = 128 (64 on a T4, where nothing of the backward fits at 128); on VARIANT_TARGETS also a window with softcap
+    and ALiBi at ODD_D."""
+    if cc not in NEW_VARIANT_TARGETS:
+        return []
+    d = 128 if cc >= 80 else 64
+    plan = [(dtype, d, _configs(kind, d, dtype, cc)[0], (*variant, False, 3, True))]
+    if cc in VARIANT_TARGETS:  # ODD_D's code is the padded d's (d = 80, compiled everywhere) with other strides
+        plan.append((dtype, ODD_D, _configs(kind, ODD_D, dtype, cc)[0], (*variant, True, 3, False)))
+    return plan
+
+
+def _new_label(d, dropout):
+    return (" dropout" if dropout else "") + (" unaligned" if d % 8 else "")
+
+
 def _mods_sig(window, mod):
     """The new arguments' part of a signature: the slopes pointer (None: not ALiBi), the constexpr switches."""
-    if mod == 2:
+    if mod & 2:
         return dict(SLOPES="fp32"), dict(WINDOW=window, SCORE_MOD=mod)
     return {}, dict(WINDOW=window, SCORE_MOD=mod, SLOPES=None)
 
@@ -189,20 +214,26 @@ def fwd_jobs(cc, dtypes):
         cfgs = _configs("fwd", 128, "fp16", cc)
         plan += [("fp16", 128, max(cfgs, key=lambda c: _meta("fwd", c, 128, "fp16", cc)["estimate"]), (True, True))]
     plan = [(dt, d, cfg, (*v, False, 0)) for dt, d, cfg, v in plan] + _mods_plan(cc, "fwd", (True, False), fwd=True)
+    plan = [(dt, d, cfg, (*v, False)) for dt, d, cfg, v in plan] + _new_plan(cc, "fwd", (True, False))
+    if cc in VARIANT_TARGETS:  # the drop-in's TMA path (token-major K, V) is the TMA kernel; with dropout once more
+        plan.append(("bf16", 128, _configs("fwd", 128, "bf16", cc)[0], (False, True, False, 3, True)))
     jobs = []
-    for dtype, d, cfg, (causal, tma, window, mod) in plan:
-        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal, window=window, mod=mod):
+    for dtype, d, cfg, (causal, tma, window, mod, dropout) in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal, window=window, mod=mod, dropout=dropout):
             fn = kf._attn_fwd
             bn = cfg["BLOCK_N"]
             desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
             ptrs, consts = _mods_sig(window, mod)
             sig, const, attrs = signature(
-                fn, dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", **ptrs), ("qk_scale", "sm_scale", "cap"),
+                fn, dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", **ptrs),
+                ("qk_scale", "sm_scale", "cap", "p_drop"),
                 dict(desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
-                     CAUSAL=causal, USE_TMA=tma, **consts), ints16=("N", "Nk"))
+                     CAUSAL=causal, USE_TMA=tma, DROPOUT=dropout, **consts), ints16=("N", "Nk"),
+                aligned_strides=d % 8 == 0)
             return fn, sig, const, attrs, cfg
         jobs.append(Job("dense forward", f"{dtype} d={d} {'causal' if causal else 'full'}{_mods_label(window, mod)}"
-                        f"{' TMA' if tma else ''} {_cfg_label(cfg)}", build, _meta("fwd", cfg, d, dtype, cc)))
+                        f"{_new_label(d, dropout)}{' TMA' if tma else ''} {_cfg_label(cfg)}", build,
+                        _meta("fwd", cfg, d, dtype, cc)))
     return jobs
 
 
@@ -223,6 +254,9 @@ def decode_jobs(cc, dtypes):
             80: [("fp16", ("kvcache paged 256, window + softcap + ALiBi", False, 256, True, False, False, 4, 1,
                            True, 3))]}
     plan += [(dtype, 128, _configs("decode", 128, dtype, cc)[0], v) for dtype, v in mods.get(cc, [])]
+    if cc in VARIANT_TARGETS:  # flash_attn_with_kvcache takes any head dim: one not a multiple of 8
+        plan.append(("fp16", ODD_D, _configs("decode", ODD_D, "fp16", cc)[0],
+                     ("kvcache paged 16, softcap + ALiBi", False, 16, True, True, False, 4, 1, False, 3)))
     jobs = []
     for dtype, d, cfg, (name, head_major, page, varlen, causal, direct, group, nq, window, score_mod) in plan:
         def build(cfg=cfg, d=d, dtype=dtype, head_major=head_major, page=page, varlen=varlen, causal=causal,
@@ -235,7 +269,7 @@ def decode_jobs(cc, dtypes):
                 HKV=8, GROUP=group, NQ=nq, NUM_RB=num_rb, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
                 HEAD_DIM=d, BLOCK_D=_bd(d), HEAD_MAJOR=head_major, PAGE=page, VARLEN=varlen, CAUSAL=causal, DIRECT=direct,
                 WINDOW=window, SCORE_MOD=score_mod),
-                ints16=("Nk", "max_blocks"))
+                ints16=("Nk", "max_blocks"), aligned_strides=d % 8 == 0)
             return fn, sig, const, attrs, cfg
         jobs.append(Job("decode", f"{dtype} d={d} {name} {_cfg_label(cfg)}", build,
                         _meta("decode", cfg, d, dtype, cc, block_h=kd._decode_rows(group, nq)[0])))
@@ -262,6 +296,15 @@ def bwd_jobs(cc, dtypes):
                                               (), dict(HEAD_DIM=d, BLOCK_M=tb._PRE_BLOCK_M, BLOCK_D=_bd(d)))
                 return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
             jobs.append(Job("backward preprocess", f"{dtype} d={d} BLOCK_M={tb._PRE_BLOCK_M}", pre))
+        for d in ((128, ODD_D) if cc in VARIANT_TARGETS else (128,)) if cc in NEW_VARIANT_TARGETS and dtype == "fp16" \
+                else ():
+            def pre_strided(d=d, dtype=dtype):  # the dense backward's: O and dO each with its own strides
+                fn = tb._bwd_preprocess_strided
+                sig, const, attrs = signature(fn, dict(O=dtype, DO=dtype, LSE="fp32", DELTA="fp32", LSE2="fp32"),
+                                              (), dict(HEAD_DIM=d, BLOCK_M=tb._PRE_BLOCK_M, BLOCK_D=_bd(d)),
+                                              aligned_strides=d % 8 == 0)
+                return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
+            jobs.append(Job("backward preprocess", f"{dtype} d={d} strided BLOCK_M={tb._PRE_BLOCK_M}", pre_strided))
 
         def cast(dtype=dtype):
             fn = tb._cast_rows
@@ -273,33 +316,40 @@ def bwd_jobs(cc, dtypes):
     variants = [(True, False, True), (False, False, True), (True, False, False), (True, True, True)]
     plan = _plan(cc, "dkdv", variants, plain_extras=False) + _padded(cc, "dkdv", (True, True, False)) + _wide(cc, "dkdv", variants[0])
     plan = [(dt, d, cfg, (*v, False, 0)) for dt, d, cfg, v in plan] + _mods_plan(cc, "dkdv", (True, False, False))
-    for dtype, d, cfg, (causal, atomic, even, window, mod) in plan:
-        def dkdv(cfg=cfg, d=d, dtype=dtype, causal=causal, atomic=atomic, even=even, window=window, mod=mod):
+    plan = [(dt, d, cfg, (*v, False)) for dt, d, cfg, v in plan] + _new_plan(cc, "dkdv", (True, False, False))
+    if cc in VARIANT_TARGETS:  # dropout with the atomic dQ (its fp32 tiles in shared memory too)
+        plan.append(("fp16", 128, _configs("dkdv", 128, "fp16", cc)[0], (False, True, True, False, 1, True)))
+    for dtype, d, cfg, (causal, atomic, even, window, mod, dropout) in plan:
+        def dkdv(cfg=cfg, d=d, dtype=dtype, causal=causal, atomic=atomic, even=even, window=window, mod=mod,
+                 dropout=dropout):
             fn = tb._bwd_dkdv
             mod_ptrs, consts = _mods_sig(window, mod)
             ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK=dtype,
                         DV=dtype, DQ="fp32" if atomic else dtype, **mod_ptrs)
-            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap"), dict(
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap", "p_drop"), dict(
                 HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
-                DQ_ATOMIC=atomic, EVEN=even, **consts), ints16=("N", "Nk") if even else ())
+                DQ_ATOMIC=atomic, EVEN=even, DROPOUT=dropout, **consts), ints16=("N", "Nk") if even else (),
+                aligned_strides=d % 8 == 0)
             return fn, sig, const, attrs, cfg
         jobs.append(Job("backward dK/dV", f"{dtype} d={d} {'causal' if causal else 'full'}{_mods_label(window, mod)}"
-                        f"{' atomic dQ' if atomic else ''}{'' if even else ' ragged'} {_cfg_label(cfg)}",
-                        dkdv, _meta("dkdv", cfg, d, dtype, cc, atomic=atomic)))
+                        f"{_new_label(d, dropout)}{' atomic dQ' if atomic else ''}{'' if even else ' ragged'} "
+                        f"{_cfg_label(cfg)}", dkdv, _meta("dkdv", cfg, d, dtype, cc, atomic=atomic)))
     variants = [(True, True), (False, True), (True, False)]
     plan = _plan(cc, "dq", variants, plain_extras=False) + _padded(cc, "dq", (True, False)) + _wide(cc, "dq", variants[0])
     plan = [(dt, d, cfg, (*v, False, 0)) for dt, d, cfg, v in plan] + _mods_plan(cc, "dq", (True, False))
-    for dtype, d, cfg, (causal, even, window, mod) in plan:
-        def dq(cfg=cfg, d=d, dtype=dtype, causal=causal, even=even, window=window, mod=mod):
+    plan = [(dt, d, cfg, (*v, False)) for dt, d, cfg, v in plan] + _new_plan(cc, "dq", (True, False))
+    for dtype, d, cfg, (causal, even, window, mod, dropout) in plan:
+        def dq(cfg=cfg, d=d, dtype=dtype, causal=causal, even=even, window=window, mod=mod, dropout=dropout):
             fn = tb._bwd_dq
             mod_ptrs, consts = _mods_sig(window, mod)
             ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DQ=dtype, **mod_ptrs)
-            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap"), dict(
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap", "p_drop"), dict(
                 HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, EVEN=even,
-                **consts), ints16=("N", "Nk") if even else ())
+                DROPOUT=dropout, **consts), ints16=("N", "Nk") if even else (), aligned_strides=d % 8 == 0)
             return fn, sig, const, attrs, cfg
         jobs.append(Job("backward dQ", f"{dtype} d={d} {'causal' if causal else 'full'}{_mods_label(window, mod)}"
-                        f"{'' if even else ' ragged'} {_cfg_label(cfg)}", dq, _meta("dq", cfg, d, dtype, cc)))
+                        f"{_new_label(d, dropout)}{'' if even else ' ragged'} {_cfg_label(cfg)}", dq,
+                        _meta("dq", cfg, d, dtype, cc)))
     return jobs
 
 

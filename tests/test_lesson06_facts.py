@@ -94,6 +94,20 @@ LIBRARY_SIGNATURES = {
                                 "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
                                 "return_softmax_lse"],
 }
+# The packed forms, from the same file (tests/test_interface.py holds helpers/kernels/interface.py to all six and
+# flash_attn_with_kvcache, defaults included).
+LIBRARY_PACKED_SIGNATURES = {
+    "flash_attn_kvpacked_func": ["q", "kv", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                                 "alibi_slopes", "deterministic", "return_attn_probs"],
+    "flash_attn_qkvpacked_func": ["qkv", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                                  "alibi_slopes", "deterministic", "return_attn_probs"],
+    "flash_attn_varlen_kvpacked_func": ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                                        "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                                        "alibi_slopes", "deterministic", "return_attn_probs"],
+    "flash_attn_varlen_qkvpacked_func": ["qkv", "cu_seqlens", "max_seqlen", "dropout_p", "softmax_scale", "causal",
+                                         "window_size", "softcap", "alibi_slopes", "deterministic",
+                                         "return_attn_probs"],
+}
 
 
 @pytest.mark.parametrize("fn", sorted(LIBRARY_SIGNATURES))

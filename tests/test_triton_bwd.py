@@ -121,6 +121,9 @@ HEAD_DIM_CASES = [
     (1, 2, 1, 17, 20, 80, False, "top_left", "atomic"),  # d = 80 (128 wide), GQA, atomic dQ (masked along d)
     (1, 1, 1, 16, 16, 96, True, "top_left", "separate"),  # d = 96, even tiles: the unmasked loops masked along d
     (1, 2, 1, 9, 11, 256, True, "bottom_right", "separate"),  # d = 256: the widest, one tiny case
+    (1, 2, 2, 13, 18, 3, True, "bottom_right", "separate"),  # any d, as the library: d = 3 (16 wide)
+    (1, 2, 1, 17, 16, 59, False, "top_left", "atomic"),  # d = 59, GQA, atomic dQ
+    (1, 1, 1, 16, 16, 111, True, "top_left", "separate"),  # d = 111, even tiles
 ]
 
 
@@ -134,6 +137,31 @@ def test_backward_any_head_dim(B, H, Hkv, N, Nk, d, causal, align, dq_mode):
     _report("dv", dv, dv_ref, _tol(dtype))
     _report("dk", dk, dk_ref, _tol(dtype))
     _report("dq", dq, dq_ref, _tol(dtype))
+
+
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+def test_backward_strided_views(dq_mode):
+    """q, k, v as views of the library's packed qkv [B, N, 3, H, d], gradients written into views of one packed
+    gradient (nothing concatenated), dO in another layout again: the gradients of contiguous copies."""
+    from helpers.kernels.backward import _flash_bwd
+    from helpers.kernels.forward import _check_mods
+    B, H, N, d = 1, 2, 19, 16
+    g = torch.Generator().manual_seed(2)
+    qkv = (torch.randn(B, N, 3, H, d, generator=g) * 2).to(DEVICE, DTYPES[0])
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, N, d] views
+    do = torch.randn(B, N, H, d, generator=g).to(DEVICE, DTYPES[0]).transpose(1, 2)
+    o, lse = flash_attn_triton(q, k, v, causal=True)
+    dqkv = torch.empty_like(qkv)
+    mods = _check_mods(True, (-1, -1), 0.0, None, H, B, q.device)
+    out = _flash_bwd(do, q, k, v, o, lse, mods, None, 0, dq_mode=dq_mode,
+                     dq=dqkv[:, :, 0].transpose(1, 2), dk=dqkv[:, :, 1].transpose(1, 2), dv=dqkv[:, :, 2].transpose(1, 2))
+    qc, kc, vc = (t.contiguous() for t in (q, k, v))
+    oc, lsec = flash_attn_triton(qc, kc, vc, causal=True)
+    want = flash_attn_bwd_triton(do.contiguous(), qc, kc, vc, oc, lsec, causal=True, dq_mode=dq_mode)
+    for i, (name, w) in enumerate(zip(("dq", "dk", "dv"), want)):
+        got = dqkv[:, :, i].transpose(1, 2)
+        assert out[i].data_ptr() == got.data_ptr()
+        _report(name, got, w.double().cpu(), 1e-5)
 
 
 def test_gqa_separate_mode_is_deterministic():
@@ -205,8 +233,8 @@ def test_validation_messages():
         flash_attention(q3, k3, v3)
     with pytest.raises(ValueError, match="must be a multiple of Hkv = 3"):
         flash_attn_bwd_triton(do, q3[:, :2], k3, v3, o, lse)
-    q12, k12, v12, _ = _inputs(1, 1, 4, 4, 12, DTYPES[0], seed=0)
-    with pytest.raises(ValueError, match="head dimension d must be a multiple of 8 from 8 to 256.*got 12"):
+    q12, k12, v12, _ = _inputs(1, 1, 4, 4, 264, DTYPES[0], seed=0)
+    with pytest.raises(ValueError, match="head dimension d must be from 1 to 256, got 264"):
         flash_attention(q12, k12, v12)
     with pytest.raises(ValueError, match=r"k must be \[B, Hkv, Nk, d\]"):
         flash_attention(q, k[:, :, :, :8].contiguous(), v[:, :, :, :8].contiguous())

@@ -128,13 +128,17 @@ HEAD_DIM_CASES = [
     (1, 2, 1, 19, 23, 8, True, "top_left"),  # d = 8: computed 16 wide
     (1, 2, 2, 21, 17, 40, True, "bottom_right"),  # d = 40: 64 wide; N > Nk: rows that see nothing
     (1, 4, 2, 17, 33, 96, False, "top_left"),  # d = 96: 128 wide, GQA
+    (1, 2, 1, 18, 21, 1, True, "bottom_right"),  # any d from 1 to 256, as the library: d = 1 computes 16 wide
+    (2, 2, 2, 19, 17, 59, False, "top_left"),  # d = 59: rows not 16-byte aligned, loads unvectorised
+    (1, 3, 1, 17, 20, 111, True, "top_left"),  # d = 111: 128 wide, MQA
 ]
 
 
 @pytest.mark.parametrize("B,H,Hkv,N,Nk,d,causal,align", HEAD_DIM_CASES)
 def test_forward_any_head_dim(B, H, Hkv, N, Nk, d, causal, align):
-    """Head dims in multiples of 8 (the library's set): O and lse against float64, and the decode kernel on the
-    same keys. The inputs are not copied: q, k, v keep their d columns, the kernel pads in registers."""
+    """Any head dim (the library's 1 to 256): O and lse against float64, and the decode kernel on the same keys
+    where it takes the d (multiples of 8). The inputs are not copied: q, k, v keep their d columns, the kernel pads
+    in registers."""
     dtype = DTYPES[0]
     q, k, v = _inputs((B, H, N, d), (B, Hkv, Nk, d), dtype, seed=d + N)
     o, lse = flash_attn_triton(q, k, v, causal=causal, align=align)
@@ -143,21 +147,50 @@ def test_forward_any_head_dim(B, H, Hkv, N, Nk, d, causal, align):
     o_ref, lse_ref = _reference(q, kf, vf, causal, (Nk - N) if align == "bottom_right" else 0, 1.0 / math.sqrt(d))
     _report("O", o, o_ref, _tol(dtype))
     _report("lse", lse, lse_ref, _tol(dtype) * 5)
+    if d % 8:
+        return
     od = flash_decode_triton(q[:, :, -1].contiguous(), k, v, num_splits=2)  # the last row sees every key
     o_last, _ = _reference(q[:, :, -1:], kf, vf, False, 0, 1.0 / math.sqrt(d))
     _report("decode O", od, o_last[:, :, 0], _tol(dtype))
 
 
 def test_head_dim_messages():
-    for d in (12, 4, 264):  # not a multiple of 8, too small, too large
+    q, k, v = _inputs((1, 1, 4, 264), (1, 1, 4, 264), DTYPES[0], seed=0)
+    with pytest.raises(ValueError, match="head dimension d must be from 1 to 256, got 264"):
+        flash_attn_triton(q, k, v)
+    for d in (12, 4, 264):  # the decode kernel: multiples of 8
         q, k, v = _inputs((1, 1, 4, d), (1, 1, 4, d), DTYPES[0], seed=0)
         with pytest.raises(ValueError, match=f"head dimension d must be a multiple of 8 from 8 to 256.*got {d}"):
-            flash_attn_triton(q, k, v)
-        with pytest.raises(ValueError, match=f"got {d}"):
             flash_decode_triton(q[:, :, 0].contiguous(), k, v)
     q, k, v = _inputs((1, 1, 4, 40), (1, 1, 4, 40), DTYPES[0], seed=0)
     with pytest.raises(ValueError, match="use_tma=True needs a head dim that is a power of two"):
         flash_attn_triton(q, k, v, use_tma=True)
+
+
+@pytest.mark.parametrize("layout", ["bnhd", "kvpacked", "qkvpacked"])
+def test_forward_reads_strided_views_in_place(layout):
+    """The library's layouts as views, nothing copied: [B, N, H, d] transposed, and the packed kv[:, :, 0] and
+    qkv[:, :, 1] (a token's heads side by side in a row, rows 2 or 3 heads' widths apart). The same O and lse as on
+    contiguous copies; O comes out in q's layout where q is dense."""
+    B, H, Hkv, N, Nk, d = 2, 4, 2, 21, 21, 16
+    g = torch.Generator().manual_seed(7)
+    if layout == "qkvpacked":
+        qkv = torch.randn(B, N, 3, H, d, generator=g).to(DEVICE, DTYPES[0])
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, N, d] views of [B, N, 3, H, d]
+    else:
+        q = torch.randn(B, N, H, d, generator=g).to(DEVICE, DTYPES[0]).transpose(1, 2)  # [B, H, N, d] view
+        if layout == "kvpacked":
+            kv = torch.randn(B, Nk, 2, Hkv, d, generator=g).to(DEVICE, DTYPES[0])
+            k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        else:
+            k, v = (torch.randn(B, Nk, Hkv, d, generator=g).to(DEVICE, DTYPES[0]).transpose(1, 2) for _ in range(2))
+    assert not q.is_contiguous() and not k.is_contiguous()
+    o, lse = flash_attn_triton(q, k, v, causal=True, align="bottom_right", softcap=10.0)
+    oc, lsec = flash_attn_triton(*(t.contiguous() for t in (q, k, v)), causal=True, align="bottom_right",
+                                 softcap=10.0)
+    assert (o - oc).abs().max() <= 1e-6 * max(1.0, oc.abs().max().item()) and torch.allclose(lse, lsec, atol=1e-5)
+    if layout != "qkvpacked":
+        assert o.stride() == q.stride()
 
 
 DECODE_CASES = [

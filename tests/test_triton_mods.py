@@ -1,5 +1,6 @@
 """The FlashAttention library's ``window_size``, ``softcap`` and ``alibi_slopes`` in the course's dense and packed
-Triton kernels (helpers/kernels/forward.py, backward.py, varlen.py, varlen_backward.py).
+Triton kernels (helpers/kernels/forward.py, backward.py, varlen.py, varlen_backward.py); softcap with ALiBi
+together in the dense ones.
 
 Every result is compared, per head, with a float64 dense reference written here (``_ref``: S = q k^T * scale, the
 softcap or the ALiBi bias, then the window as a mask on the diagonal of ``align``, then softmax; a row that sees
@@ -178,6 +179,14 @@ def test_forward_alibi_gqa(shape, window, causal, align):
     _run_fwd(37, 45, window, causal, align, slopes=slopes.to(DEVICE), B=2, H=4, Hkv=2)
 
 
+@pytest.mark.parametrize("window, causal, align", [((-1, -1), False, "top_left"), ((-1, -1), True, "bottom_right"),
+                                                   ((7, 2), False, "bottom_right")])
+def test_forward_softcap_with_alibi(window, causal, align):
+    """Both at once (SCORE_MOD 3), the library's order: the softcap on the scaled score, then the ALiBi bias."""
+    slopes = torch.rand(2, 4).to(DEVICE)
+    _run_fwd(37, 45, window, causal, align, softcap=5.0, slopes=slopes, B=2, H=4, Hkv=2)
+
+
 def test_forward_head_dim_not_a_power_of_two():
     _run_fwd(37, 37, (5, 0), softcap=20.0, d=40)
     _run_fwd(30, 37, (4, 2), causal=True, align="bottom_right", slopes=torch.rand(2).to(DEVICE), d=40)
@@ -208,6 +217,8 @@ BWD = [  # (N, Nk, window, causal, align, softcap, alibi, dq_mode)
     (37, 45, (6, 3), False, "bottom_right", 5.0, None, "atomic"),
     (45, 37, (7, 0), False, "bottom_right", 0.0, "BH", "separate"),
     (32, 32, (-1, -1), True, "top_left", 0.0, "H", "atomic"),
+    (37, 45, (9, 2), False, "bottom_right", 5.0, "BH", "separate"),  # softcap with ALiBi
+    (40, 29, (-1, -1), True, "top_left", 20.0, "H", "atomic"),
 ]
 
 
@@ -305,7 +316,6 @@ BAD = [
     (dict(alibi_slopes=[0.5] * 4), TypeError, r"alibi_slopes must be a float32"),
     (dict(alibi_slopes=torch.rand(3)), ValueError, r"alibi_slopes must be \[H\] = \[4\] or \[B, H\] = \[2, 4\]"),
     (dict(alibi_slopes=torch.rand(4, 2)), ValueError, r"got \(4, 2\)"),
-    (dict(alibi_slopes=torch.rand(4), softcap=5.0), ValueError, r"softcap and alibi_slopes together"),
 ]
 
 
@@ -332,3 +342,5 @@ def test_bad_arguments_elsewhere():
         flash_attn_varlen_triton(qp, kp, vp, cu_q, cu_k, 7, 7, alibi_slopes=torch.rand(3, 4).to(DEVICE))
     with pytest.raises(ValueError, match=r"softcap must be a finite number"):
         flash_attention_varlen(qp, kp, vp, cu_q, cu_k, 7, 7, softcap=-2.0)
+    with pytest.raises(ValueError, match=r"softcap and alibi_slopes together are not supported"):  # not yet packed
+        flash_attn_varlen_triton(qp, kp, vp, cu_q, cu_k, 7, 7, softcap=5.0, alibi_slopes=torch.rand(4).to(DEVICE))

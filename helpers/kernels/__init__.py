@@ -1,7 +1,8 @@
 """The course's GPU kernels, one module per kernel family (Triton; all but the Gluon one run under Triton's
 interpreter without a GPU).
 
-* ``forward``: ``flash_attn_triton`` — the FlashAttention-2 forward, dense, GQA, both causal alignments (lesson 07).
+* ``forward``: ``flash_attn_triton`` — the FlashAttention-2 forward, dense, GQA, both causal alignments, the library's
+  window, softcap, ALiBi and dropout, any head dim to 256 (lesson 07).
 * ``decode``: ``flash_decode_triton`` — Flash-Decoding, split-KV with the merge in the same launch (lessons 07, 10).
 * ``backward``: ``flash_attention`` (autograd) and ``flash_attn_bwd_triton`` — the FlashAttention-2 backward
   (lesson 08).
@@ -11,6 +12,9 @@ interpreter without a GPU).
 * ``varlen_backward``: ``flash_attention_varlen`` (autograd, the library's ``flash_attn_varlen_func``) and
   ``flash_attn_varlen_bwd_triton`` — the backward over the packed layout, GQA included.
 * ``kvcache``: ``flash_attn_with_kvcache_triton`` — a contiguous or paged KV cache (lesson 10).
+* ``interface``: the FlashAttention library's public functions (``flash_attn_func``, its kvpacked and qkvpacked
+  forms, ``flash_attn_varlen_func`` and its packed forms, ``flash_attn_with_kvcache``) with its names, argument
+  order, defaults, layouts and returns, over the kernels above: a drop-in for ``flash_attn``.
 * ``gluon_forward``: ``gluon_forward`` — lesson 11's forward in Gluon for Hopper (sm_90 only: TMA, mbarriers,
   ``warpgroup_mma``), non-causal; variants with one partition, a producer warp, and two consumer warpgroups with
   FA3's intra-warpgroup overlap and ping-pong. No interpreter: compile-only without an H100/H200.

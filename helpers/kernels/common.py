@@ -4,14 +4,18 @@
   the host. Every kernel works in base 2: ``qk_scale = sm_scale * log2(e)`` makes each exponential one
   ``exp2``, and a base-2 lse times ``ln(2)`` is the natural-log lse the launchers return.
 * ``_check_qkv`` and its parts: the checks every entry point makes of q, k and v (types, one device, ranks,
-  dtypes the device can run, contiguity), ``HEAD_DIMS``; ``head_block(d)``: the padded width the kernels
-  compute in (``tl.arange`` needs a power of two), and ``_load_d``, the load of an unmasked tile, masked along
-  d only when d is padded.
+  dtypes the device can run, contiguity, or with ``strided=True`` only a unit stride along d), ``HEAD_DIMS``
+  (multiples of 8) and ``ANY_HEAD_DIMS`` (1 to 256, the dense kernels'); ``head_block(d)``: the padded width the
+  kernels compute in (``tl.arange`` needs a power of two), and ``_load_d``, the load of an unmasked tile, masked
+  along d only when d is padded.
 * ``SHAPES``, ``smem_estimate``, ``fitting_configs``, ``launch_configs``, ``prune_for_device``: each kernel
   module registers its tile configurations, and the launchers keep those that fit the GPU's shared memory.
 * ``use_tma_for``, ``check_dtype_for``: TMA from sm_90, bf16 from sm_80.
 * The FlashAttention library's options every family takes: ``_check_window``, ``_check_softcap``,
-  ``_check_alibi_slopes`` (host checks), ``_tanh`` and ``_score_mod`` (softcap and ALiBi on a tile of scores).
+  ``_check_alibi_slopes`` (host checks), ``_tanh`` and ``_score_mod`` (softcap, ALiBi or both on a tile of
+  scores); dropout: ``_check_dropout``, ``draw_rng_state`` (a seed and offset from torch's generator) and
+  ``_dropout_keep`` (the keep mask of a tile, a function of the seed, offset, head, row and column alone, so the
+  backward regenerates the forward's mask).
 
 Written for this course.
 """
@@ -42,7 +46,7 @@ _DTYPES_GPU = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPES_CPU = (torch.float16, torch.float32)
 
 
-def _check_tensor(name, x, ndim, dtypes):
+def _check_tensor(name, x, ndim, dtypes, strided=False):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != ndim:
@@ -50,7 +54,11 @@ def _check_tensor(name, x, ndim, dtypes):
     if x.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; expected one of: {names}")
-    if not x.is_contiguous():
+    if strided:
+        if x.stride(-1) != 1 and x.shape[-1] > 1:
+            raise ValueError(f"{name} must have a unit stride along its last dim (the head dim), got strides "
+                             f"{tuple(x.stride())} (call .contiguous() first)")
+    elif not x.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
 
 
@@ -69,7 +77,8 @@ def _check_device(*tensors, names=("q", "k", "v")):
     return _DTYPES_GPU
 
 
-HEAD_DIMS = tuple(range(8, 257, 8))  # every multiple of 8 up to 256 (the FlashAttention library's set)
+HEAD_DIMS = tuple(range(8, 257, 8))  # every multiple of 8 up to 256 (the varlen and decode kernels)
+ANY_HEAD_DIMS = tuple(range(1, 257))  # the dense forward and backward: any d up to 256, as the library takes
 
 
 def head_block(d):
@@ -79,8 +88,13 @@ def head_block(d):
     return max(16, _next_pow2(d))
 
 
-def _check_head_dim(d):
-    """d a multiple of 8 (rows stay 16-byte aligned in fp16, so loads are vectorised) in [8, 256]."""
+def _check_head_dim(d, any_d=False):
+    """d a multiple of 8 (rows stay 16-byte aligned in fp16, so loads are vectorised) in [8, 256]; with ``any_d``
+    any d from 1 to 256 (a d that is not a multiple of 8 loads its rows unvectorised, masked along d)."""
+    if any_d:
+        if d not in ANY_HEAD_DIMS:
+            raise ValueError(f"head dimension d must be from 1 to 256, got {d}")
+        return
     if d not in HEAD_DIMS:
         raise ValueError(f"head dimension d must be a multiple of 8 from 8 to 256 (8, 16, ..., 80, 96, ..., 256); "
                          f"got {d}")
@@ -97,17 +111,18 @@ def _load_d(ptrs, d_ok, PAD_D: tl.constexpr):
         return tl.load(ptrs)
 
 
-def _check_qkv(q, k, v, ndims, names=("q", "k", "v")):
+def _check_qkv(q, k, v, ndims, names=("q", "k", "v"), strided=False):
     """The checks every entry point makes of its three tensors, in this order: each a tensor, one device
     (the CPU under the interpreter, CUDA otherwise), ranks ``ndims`` (q's, k's and v's), an allowed dtype,
-    contiguous, one dtype for all three."""
+    contiguous (``strided=True``: any strides with a unit stride along d, for kernels that take strides), one
+    dtype for all three."""
     tensors = (q, k, v)
     for name, x in zip(names, tensors):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     dtypes = _check_device(*tensors, names=names)
     for name, x, ndim in zip(names, tensors, ndims):
-        _check_tensor(name, x, ndim, dtypes)
+        _check_tensor(name, x, ndim, dtypes, strided)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"{', '.join(names)} must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.device.type == "cuda" and not interpreting():
@@ -115,9 +130,9 @@ def _check_qkv(q, k, v, ndims, names=("q", "k", "v")):
 
 
 
-def _check_dense_kv(q, k, v):
+def _check_dense_kv(q, k, v, any_d=False):
     """k, v ``[B, Hkv, Nk, d]`` for q ``[B, H, ..., d]`` (the dense forward's and decode's layout), H a multiple of
-    Hkv (grouped-query attention), a head dim the kernels compile for. Returns (Hkv, Nk)."""
+    Hkv (grouped-query attention), a head dim the kernels compile for (``any_d``: 1 to 256). Returns (Hkv, Nk)."""
     B, H, d = q.shape[0], q.shape[1], q.shape[-1]
     Bk, Hkv, Nk, dk = k.shape
     if (Bk, dk) != (B, d):
@@ -126,7 +141,7 @@ def _check_dense_kv(q, k, v):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads (k is {tuple(k.shape)})")
-    _check_head_dim(d)
+    _check_head_dim(d, any_d)
     return Hkv, Nk
 
 # ----------------------------------------------------------------------------
@@ -328,14 +343,61 @@ def _tanh(x):
 def _score_mod(qk, rows, cols, sm_scale, cap, slope, alibi_diag, SCORE_MOD: tl.constexpr):
     """The score modification of a tile of raw scores ``qk``: returns (the modified score in base-2 units, its
     derivative with respect to the scaled score s = qk * sm_scale). rows, cols: query and key indices shaped to
-    broadcast against qk ([M, 1] and [1, N], or transposed). SCORE_MOD 1: softcap, ``cap * tanh(s / cap)``
-    (Gemma 2); 2: ALiBi, ``s - slope * |i + alibi_diag - j|``. Computed in natural units, then times log2(e)."""
+    broadcast against qk ([M, 1] and [1, N], or transposed). SCORE_MOD bit 1: softcap, ``cap * tanh(s / cap)``
+    (Gemma 2); bit 2: ALiBi, ``- slope * |i + alibi_diag - j|``; 3: both, the softcap first, then the bias (the
+    library's order: its reference caps the scores, then adds the bias). Computed in natural units, then times
+    log2(e)."""
     s = qk * sm_scale  # natural units
     dmod = 1.0
-    if SCORE_MOD == 1:
+    if SCORE_MOD & 1:
         t = _tanh(s / cap)
         s = cap * t
-        dmod = 1.0 - t * t  # d(cap tanh(s / cap)) / ds
-    else:
+        dmod = 1.0 - t * t  # d(cap tanh(s / cap)) / ds (the bias adds nothing to it)
+    if SCORE_MOD & 2:
         s = s - slope * tl.abs(rows + alibi_diag - cols).to(tl.float32)
     return s * LOG2E, dmod
+
+
+# ----------------------------------------------------------------------------
+# Dropout: the library's semantics (the mask on P after the softmax, kept entries scaled by 1 / (1 - p), the lse
+# that of the undropped P), with Philox counters so the backward regenerates the forward's mask
+# ----------------------------------------------------------------------------
+
+
+def _check_dropout(p):
+    """dropout_p: a number in [0, 1); returns it as a float."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"dropout_p must be a number in [0, 1), got {type(p).__name__}")
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1) (0.0 = off), got {p!r}")
+    return float(p)
+
+
+def draw_rng_state():
+    """(seed, offset): two ints in [0, 2^31) from torch's default (CPU) generator, so that ``torch.manual_seed``
+    makes a dropout mask reproducible; drawn on the host, nothing waits for the GPU."""
+    seed, offset = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64).tolist()
+    return int(seed), int(offset)
+
+
+def _check_rng_state(rng_state):
+    if (not isinstance(rng_state, (tuple, list)) or len(rng_state) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31 for x in rng_state)):
+        raise ValueError(f"rng_state must be (seed, offset), two ints in [0, 2^31) (draw_rng_state() makes one), "
+                         f"got {rng_state!r}")
+    return int(rng_state[0]), int(rng_state[1])
+
+
+@triton.jit
+def _dropout_keep(seed, offset, bh, rows, cols, p_drop):
+    """Which entries of a tile of P are kept: True with probability 1 - p_drop. rows, cols: query and key indices
+    shaped to broadcast ([M, 1] and [1, N], or transposed); bh: the query head (b * H + h). Entry (bh, i, j) is
+    Philox-4x32 of the counter (j, i, bh, offset) under the key ``seed``: one random number per entry, the same
+    whichever tile, kernel or orientation asks, so the backward's transposed tiles see the forward's mask."""
+    zero = (rows + cols) * 0  # [M, N] int32: the tile's shape
+    c0 = (cols + zero).to(tl.uint32)
+    c1 = (rows + zero).to(tl.uint32)
+    c2 = (zero + bh).to(tl.uint32)
+    c3 = (zero + offset).to(tl.uint32)
+    r, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
+    return tl.uint_to_uniform_float(r) >= p_drop

@@ -19,6 +19,7 @@ alibi_slopes=None) -> O`` takes the FlashAttention library's layout and meaning
 * softcap > 0: the scaled score s becomes ``softcap * tanh(s / softcap)`` (Gemma 2);
   alibi_slopes float32 [H] or [B, H]: ``s -= slope * |p - j|``. Both before the mask.
 * GQA: query head h reads KV head ``h // (H // Hkv)``.
+* Any head dim from 1 to 256 (the decode kernel masks its loads and stores along d).
 
 The kernel is the decode kernel of helpers/kernels/decode.py (``_decode_kernel``): split-KV,
 one program per (split, sequence, KV head) holding the Nq x H/Hkv query rows of that head as one
@@ -79,7 +80,7 @@ def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_tab
     n0, n1, Hkv, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"k_cache's head dimension is {dk}, q's is {d}")
-    _check_head_dim(d)
+    _check_head_dim(d, any_d=True)
     if B == 0 or Nq == 0 or H == 0:
         raise ValueError(f"empty input: q {tuple(q.shape)}")
     if Hkv == 0 or H % Hkv != 0:
