@@ -444,7 +444,7 @@ def test_function_stub_is_not_attempted(not_strict, capsys):
         def forward(ctx, q, k, v, causal=False, Br=16, Bc=16):
             raise NotImplementedError("FlashAttentionFunction: replace this line with your code")
     check.FlashAttentionFunction(Stub)
-    assert "⏳ FlashAttentionFunction: not attempted yet" in capsys.readouterr().out
+    assert "⏳ FlashAttentionFunction not attempted yet" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ the course's functions
