@@ -182,13 +182,22 @@ def load_llama(path=LLAMA):
 
 
 def llama_summary(rec) -> str:
-    """One paragraph of the Llama-style training record: the model, the run, tokens/s both ways, the loss gap."""
+    """One paragraph of the Llama-style training record: the model, the run, tokens/s of each attention (the course's
+    packed path, FlexAttention's document mask, SDPA's dense document mask), each attention's share of a step, the
+    loss gaps."""
     if not rec or "runs" not in rec:
         return "Llama-style training: no record (run bench/train_llama.py on a GPU)"
-    c, f, s = rec["config"], rec["runs"]["course"], rec["runs"]["sdpa"]
-    return (f"Llama-style model: {c['n_layer']} layers, {rec['parameters'] / 1e6:.0f}M parameters, "
+    c, runs = rec["config"], rec["runs"]
+    f, s, x = runs["course"], runs["sdpa"], runs.get("flex")
+    share = lambda r: f", attention {r['attention_share']:.0%} of a step" if r.get("attention_share") else ""  # noqa: E731
+    text = (f"Llama-style model: {c['n_layer']} layers, {rec['parameters'] / 1e6:.0f}M parameters, "
             f"GQA {c['n_head']}:{c['n_kv_head']}, d = {c['head_dim']}, context {c['T']}, {rec['dtype']}, "
-            f"{c['steps']} steps on packed documents; flash_attention_varlen {f['tokens_per_s'] / 1e3:.0f}k vs SDPA "
-            f"with a boolean document mask {s['tokens_per_s'] / 1e3:.0f}k tokens/s ({rec['speedup_tokens_per_s']:.2f}x, "
-            f"over the last {f['timed_steps']} steps); losses within {rec['max_loss_diff']:.3f} nats/byte at every "
-            f"step; one run each; {rec['device_name']}, torch {rec['torch']}, triton {rec['triton']}, {rec['date']}")
+            f"{c['steps']} steps on packed documents, over the last {f['timed_steps']} steps: flash_attention_varlen "
+            f"{f['tokens_per_s'] / 1e3:.0f}k tokens/s{share(f)}")
+    if x:
+        text += (f"; FlexAttention with a document block mask {x['tokens_per_s'] / 1e3:.0f}k{share(x)} (the course "
+                 f"{f['tokens_per_s'] / x['tokens_per_s']:.2f}x)")
+    text += (f"; SDPA with a boolean document mask {s['tokens_per_s'] / 1e3:.0f}k{share(s)} (the course "
+             f"{rec['speedup_tokens_per_s']:.2f}x); losses within {rec['max_loss_diff']:.3f} nats/byte of SDPA's at every "
+             f"step; one run each; {rec['device_name']}, torch {rec['torch']}, triton {rec['triton']}, {rec['date']}")
+    return text
