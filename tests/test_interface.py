@@ -163,13 +163,8 @@ class Case:
 
 def refusal(case):
     """The message the interface refuses this case with, or None: what the course's kernels do not take yet."""
-    if "varlen" in case.kind:
-        if case.paged:
-            return "block_table (paged K/V) in flash_attn_varlen_func"
-        if case.dropout > 0:
-            return "dropout_p > 0 in the varlen forms"
-        if case.alibi and case.softcap > 0:
-            return "softcap and alibi_slopes together in the varlen forms"
+    if "varlen" in case.kind and case.paged:
+        return "block_table (paged K/V) in flash_attn_varlen_func"
     return None
 
 
@@ -264,8 +259,10 @@ def _make(case, seed):
         outs, lses = [], []
         for b in range(B):
             qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+            keep = r.get("keep")
+            rb = r if keep is None else dict(r, keep=keep[b:b + 1, :, :case.lens_q[b], :case.lens_k[b]])
             o, lse = attention_ref(q[qs][None], k[ks][None], v[ks][None], slopes=None if slopes is None
-                                   else slopes[b:b + 1], **ref_kw, **r)
+                                   else slopes[b:b + 1], **ref_kw, **rb)
             outs.append(o[0])
             lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, 1)  # [total_q, H, d], [H, total_q]
@@ -312,7 +309,8 @@ def run_case(case, seed=0):
     out, lse, S_dmask = call()
     keep = None
     if case.dropout > 0:
-        assert S_dmask is not None and S_dmask.shape == (len(case.lens_q), case.H, case.lens_q[0], case.lens_k[0])
+        # dense [B, H, N, Nk]; varlen [B, H, max_seqlen_q, max_seqlen_k], sequence b in its top-left corner
+        assert S_dmask is not None and S_dmask.shape == (len(case.lens_q), case.H, max(case.lens_q), max(case.lens_k))
         keep = _dropout_mask(case, S_dmask)
     else:
         assert S_dmask is None

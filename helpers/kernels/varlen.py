@@ -54,7 +54,7 @@ import triton.language as tl
 from ..triton_mode import interpreting
 from .common import (LOG2E, SHAPES, TensorDescriptor, _check_head_dim, _check_qkv, _device_limits, fitting_configs,
                      head_block, smem_estimate, tile_configs)
-from .forward import _attn_fwd_rows, _check_mods, _check_use_tma, _use_tma_default
+from .forward import _attn_fwd_rows, _check_dropout_args, _check_mods, _check_use_tma, _use_tma_default
 
 __all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m", "prepare_varlen", "VarlenBatch"]
 
@@ -330,7 +330,7 @@ def varlen_block_map(cu_seqlens_q, BLOCK_M, total_q=None):
 # ----------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["total_q"])  # one compile for every batch size
+@triton.jit(do_not_specialize=["total_q", "seed", "drop_off"])  # one compile for every batch size and mask
 def _attn_fwd_varlen(
     Q, K, V, O, LSE,
     desc_k, desc_v,  # TMA path: descriptors over K, V viewed as [total_k, Hkv * D]
@@ -346,7 +346,12 @@ def _attn_fwd_varlen(
     CAUSAL: tl.constexpr,  # an upper bound: j <= i + Nk - N + right (causal: right = 0)
     USE_TMA: tl.constexpr,
     WINDOW: tl.constexpr,  # a lower bound: j >= i + Nk - N - left
-    SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
+    SCORE_MOD: tl.constexpr,  # bits: 1 softcap, 2 ALiBi (3: both, the cap first)
+    # dropout, last and off by default: its probability, the Philox key and counter offset. The mask's counters
+    # name (sequence * H + head, row and key within the sequence): sequence b's mask is the dense mask of batch
+    # entry b (forward.dropout_keep_mask with B = num_seqs), whatever the packing around it
+    p_drop=0.0, seed=0, drop_off=0,
+    DROPOUT: tl.constexpr = False,
 ):
     # grid = (P * H,): program pid owns entry pid // H of the map for query head pid % H (the heads fastest)
     pid = tl.program_id(0)
@@ -367,7 +372,7 @@ def _attn_fwd_varlen(
     diag = diag + right
     start_m = (tl.load(Q_START + entry) - q_beg) // BLOCK_M  # block index within the sequence
     slope = 0.0
-    if SCORE_MOD == 2:
+    if SCORE_MOD & 2:
         slope = tl.load(SLOPES + seq * stride_sb + off_h)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows, counted from the sequence's first
@@ -391,6 +396,7 @@ def _attn_fwd_varlen(
         q, k_ptrs, v_ptrs, stride_kt, stride_vt, desc_k, desc_v, k_beg, off_hkv * HEAD_DIM,
         start_m, offs_m, offs_n, qk_scale, Nk, diag, diag_lo, sm_scale, cap, slope, alibi_diag,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA, WINDOW, SCORE_MOD,
+        DROPOUT, p_drop, seed, drop_off, seq * H + off_h,
     )
     tl.store(LSE + off_h.to(tl.int64) * total_q + q_beg + offs_m, lse, mask=row_ok)
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty), mask=io_ok)
@@ -527,7 +533,7 @@ def _check_packed(q, k, v):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if H == 0 or Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads")
-    _check_head_dim(d)
+    _check_head_dim(d, any_d=True)
     return total_q, H, d, total_k, Hkv
 
 
@@ -588,29 +594,33 @@ def _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return layout
 
 
-def _call_key(q, k, v, causal, sm_scale, window_size, softcap):
+def _call_key(q, k, v, causal, sm_scale, window_size, softcap, dropout_p=0.0):
     """What a call's launch plan depends on besides the batch (shapes, strides, dtypes, devices, the options): a
-    call with the same key runs the plan built, and checked, for the first one."""
+    call with the same key runs the plan built, and checked, for the first one. (Dropout's probability is part of
+    it; its seed and offset, new every call, are the launch's arguments.)"""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            k.device, v.device, causal.__class__, causal, sm_scale, window_size, softcap)
+            k.device, v.device, causal.__class__, causal, sm_scale, window_size, softcap, dropout_p.__class__,
+            dropout_p)
 
 
-def _plan_for(batch, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes):
+def _plan_for(batch, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes, dropout_p=0.0):
     """The forward's launch plan of this call on a ``VarlenBatch``: the one the batch keeps for the call's key
     (every layer of a step after the first), else checked and built here (kept unless ALiBi slopes, a tensor that
     may change between calls, are given)."""
     if alibi_slopes is None:
         try:
-            return batch._plans[_call_key(q, k, v, causal, sm_scale, window_size, softcap)]
+            return batch._plans[_call_key(q, k, v, causal, sm_scale, window_size, softcap, dropout_p)]
         except (KeyError, TypeError, AttributeError):  # not built yet; or not a tensor, not hashable: checked below
             pass
     total_q, H, d, total_k, Hkv = _check_packed(q, k, v)
     _layout(q, total_q, total_k, batch, None, None, None, False)  # the batch fits q, k, v
-    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, batch.num_seqs, q.device, "num_seqs")
-    plan = _FwdPlan(q, k, v, batch, mods, sm_scale)
+    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, batch.num_seqs, q.device, "num_seqs",
+                       both=True)
+    p_drop = _check_dropout_args(dropout_p, (0, 0)).p
+    plan = _FwdPlan(q, k, v, batch, mods, sm_scale, p_drop=p_drop)
     if alibi_slopes is None:
         try:
-            batch._plans[_call_key(q, k, v, causal, sm_scale, window_size, softcap)] = plan
+            batch._plans[_call_key(q, k, v, causal, sm_scale, window_size, softcap, dropout_p)] = plan
             plan._layout = weakref.ref(batch)  # the batch keeps the plan: no cycle back
         except TypeError:  # window_size as a list: checked, but not kept
             pass
@@ -637,10 +647,11 @@ class _FwdPlan(_LayoutRef):
     launches. ``mods``, ``sm_scale`` and ``layout`` stay for the backward (``varlen_backward``), which keeps its
     own plan in ``bwd``."""
 
-    def __init__(self, q, k, v, layout, mods, sm_scale, block_map=None, use_tma=None, config=None):
+    def __init__(self, q, k, v, layout, mods, sm_scale, block_map=None, use_tma=None, config=None, p_drop=0.0):
         total_q, H, d = q.shape
         total_k, Hkv = k.shape[0], k.shape[1]
         self._layout, self.mods, self.sm_scale, self.bwd = layout, mods, sm_scale, None
+        self.p_drop = p_drop  # dropout's probability (0.0: off); the seed and offset come with each run
         self.H, self.d, self.lse_shape = H, d, (H, total_q)
         self.empty = total_q == 0 or total_k == 0
         if self.empty:
@@ -669,8 +680,10 @@ class _FwdPlan(_LayoutRef):
                      v.stride(0), v.stride(1), q.stride(0), q.stride(1), total_q, H, Hkv, qk_scale, mods.slopes,
                      mods.stride_sb, max(mods.left, 0), max(mods.right, 0), float(sm_scale), mods.cap)
         self.meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), USE_TMA=self.use_tma, **mods.meta())
+        if p_drop > 0:
+            self.meta.update(DROPOUT=True, p_drop=p_drop)
         self.key = ("varlen", d, q.dtype, self.use_tma, mods.right >= 0, mods.left >= 0, mods.score_mod, H // Hkv,
-                    layout.length_class, block_map is not None, q.device.index)
+                    layout.length_class, block_map is not None, q.device.index, p_drop > 0)
         self.dtype, self.device = q.dtype, q.device
         self.config = dict(config) if config is not None else None
         cfg = self.config or _chosen.get(self.key)
@@ -690,7 +703,7 @@ class _FwdPlan(_LayoutRef):
         return (_attn_fwd_varlen[(grid,)] if grid else None, (seq_idx, q_start) + self.tail,
                 {**self.meta, **cfg}, [cfg["BLOCK_N"], self.d])
 
-    def _launch(self, parts, q, k, v, o, lse):
+    def _launch(self, parts, q, k, v, o, lse, rng):
         launcher, args, kwargs, block = parts
         if launcher is None:
             return
@@ -698,18 +711,26 @@ class _FwdPlan(_LayoutRef):
         if self.use_tma:
             desc_k = TensorDescriptor(k.view(self.kv_2d), self.kv_2d, self.kv_strides, block)  # [total_k, Hkv*d]
             desc_v = TensorDescriptor(v.view(self.kv_2d), self.kv_2d, self.kv_strides, block)
-        launcher(q, k, v, o, lse, desc_k, desc_v, *args, **kwargs)
+        if rng is None:
+            launcher(q, k, v, o, lse, desc_k, desc_v, *args, **kwargs)
+        else:
+            launcher(q, k, v, o, lse, desc_k, desc_v, *args, seed=rng[0], drop_off=rng[1], **kwargs)
 
-    def run(self, q, k, v):
-        """(O [total_q, H, d], lse [H, total_q]) of this call's q, k, v (of the plan's shapes, checked there)."""
+    def run(self, q, k, v, rng=None):
+        """(O [total_q, H, d], lse [H, total_q]) of this call's q, k, v (of the plan's shapes, checked there).
+        rng: dropout's (seed, offset), with a plan that has dropout (``p_drop > 0``)."""
+        if self.p_drop > 0 and rng is None:
+            raise ValueError("a varlen plan with dropout runs with its rng_state=(seed, offset)")
+        if self.p_drop == 0:
+            rng = None
         o = torch.empty_like(q)  # [total_q, H, d]: every row is written (each belongs to one map entry)
         lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)  # [H, total_q]
         if self.empty:  # no rows; or no sequence has a key: every row is empty (and nothing to point K at)
             return (o, lse) if o.numel() == 0 else (o.zero_(), lse.fill_(float("-inf")))
         if self.parts is not None:
-            self._launch(self.parts, q, k, v, o, lse)
+            self._launch(self.parts, q, k, v, o, lse, rng)
             return o, lse
-        tuned_launch(self.key, self._configs, lambda cfg: self._launch(self._parts(cfg), q, k, v, o, lse),
+        tuned_launch(self.key, self._configs, lambda cfg: self._launch(self._parts(cfg), q, k, v, o, lse, rng),
                      q.device)
         cfg = _chosen.get(self.key)
         if cfg is not None:  # chosen now: the next calls launch it directly
@@ -719,7 +740,8 @@ class _FwdPlan(_LayoutRef):
 
 def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                              causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             validate=True, block_map=None, use_tma=None, config=None):
+                             dropout_p=0.0, rng_state=None, validate=True, block_map=None, use_tma=None,
+                             config=None):
     """Attention over packed sequences of different lengths: returns ``(O, lse)``.
 
     q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv (query head h reads KV head
@@ -748,10 +770,14 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqle
     ``config["BLOCK_M"]``), launched as given. ``use_tma`` and ``config`` (BLOCK_M, BLOCK_N, num_warps,
     num_stages) are for benchmarking; None chooses (``tuned_launch``).
     """
+    dropout = _check_dropout_args(dropout_p, rng_state)
+    rng = (dropout.seed, dropout.offset) if dropout.p > 0 else None
     if (isinstance(cu_seqlens_q, VarlenBatch) and cu_seqlens_k is None and max_seqlen_q is None
             and max_seqlen_k is None and block_map is None and use_tma is None and config is None):
-        return _plan_for(cu_seqlens_q, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes).run(q, k, v)
+        return _plan_for(cu_seqlens_q, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes,
+                         dropout.p).run(q, k, v, rng)
     total_q, H, d, total_k, Hkv = _check_packed(q, k, v)
     layout = _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
-    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, layout.num_seqs, q.device, "num_seqs")
-    return _FwdPlan(q, k, v, layout, mods, sm_scale, block_map, use_tma, config).run(q, k, v)
+    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, layout.num_seqs, q.device, "num_seqs",
+                       both=True)
+    return _FwdPlan(q, k, v, layout, mods, sm_scale, block_map, use_tma, config, dropout.p).run(q, k, v, rng)
