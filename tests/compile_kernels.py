@@ -367,21 +367,30 @@ def varlen_jobs(cc, dtypes):
     # window with both at ODD_D (unaligned strides, the pointer path)
     plan += [(dt, d, cfg, (False, window, mod, dropout)) for dt, d, cfg, (_, window, mod, dropout)
              in _new_plan(cc, "varlen", (True,))]
+    plan = [(dt, d, cfg, (*v, False)) for dt, d, cfg, v in plan]  # (..., PAGED)
+    if cc in NEW_VARIANT_TARGETS:  # paged K/V (block_table): a page lookup per key tile, one masked loop
+        d = 128 if cc >= 80 else 64
+        cfg = _configs("varlen", d, "fp16", cc)[0]
+        plan.append(("fp16", d, cfg, (False, False, 0, False, True)))
+        if cc in VARIANT_TARGETS:  # with every option
+            plan.append(("fp16", d, cfg, (False, True, 3, True, True)))
     jobs = []
-    for dtype, d, cfg, (tma, window, mod, dropout) in plan:
-        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, window=window, mod=mod, dropout=dropout):
+    for dtype, d, cfg, (tma, window, mod, dropout, paged) in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, window=window, mod=mod, dropout=dropout, paged=paged):
             fn = tv._attn_fwd_varlen
             bn = cfg["BLOCK_N"]
             desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
             mod_ptrs, consts = _mods_sig(window, mod)
             ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", SEQ_IDX="i32", Q_START="i32",
-                        CU_Q="i32", CU_K="i32", **mod_ptrs)
+                        CU_Q="i32", CU_K="i32", **mod_ptrs, **(dict(BT="i32") if paged else {}))
             sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap", "p_drop"), dict(
                 desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, CAUSAL=True,
-                USE_TMA=tma, DROPOUT=dropout, **consts), aligned_strides=d % 8 == 0)
+                USE_TMA=tma, DROPOUT=dropout, PAGED=paged, **({} if paged else dict(BT=None)), **consts),
+                aligned_strides=d % 8 == 0)
             return fn, sig, const, attrs, cfg
         jobs.append(Job("varlen forward", f"{dtype} d={d} causal{_mods_label(window, mod)}{_new_label(d, dropout)}"
-                        f"{' TMA' if tma else ''} {_cfg_label(cfg)}", build, _meta("varlen", cfg, d, dtype, cc)))
+                        f"{' paged' if paged else ''}{' TMA' if tma else ''} {_cfg_label(cfg)}", build,
+                        _meta("varlen", cfg, d, dtype, cc)))
     return jobs
 
 

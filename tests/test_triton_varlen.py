@@ -168,6 +168,47 @@ def test_varlen_no_queries_or_no_keys():
     assert (o == 0).all() and torch.isneginf(lse).all()
 
 
+def _pages(k, lens_k, page, seed):
+    """The packed keys k [total_k, Hkv, d] as shuffled pages [num_pages, page, Hkv, d] (the rows past a sequence's
+    end and a spare page NaN) and the int32 table [B, max_pages] that names sequence b's pages."""
+    counts = [-(-n // page) for n in lens_k]
+    order = torch.randperm(sum(counts) + 1, generator=torch.Generator().manual_seed(seed)).tolist()
+    pages = torch.full((sum(counts) + 1, page, *k.shape[1:]), float("nan"), dtype=k.dtype, device=k.device)
+    table = torch.zeros(len(lens_k), max(max(counts), 1), dtype=torch.int32)
+    start, used = 0, 0
+    for b, n in enumerate(lens_k):
+        for j in range(counts[b]):
+            rows = k[start + j * page:start + min((j + 1) * page, n)]
+            pages[order[used], :rows.shape[0]] = rows
+            table[b, j] = order[used]
+            used += 1
+        start += n
+    return pages, table.to(k.device)
+
+
+def test_varlen_paged_kv_is_the_packed_result(page=5):
+    """block_table (the library's paged varlen forward): K/V in shuffled pages of 5 rows (a page boundary inside
+    every tile), NaN in every row no table names, gives the packed call's O and lse (to rounding: the paged loop
+    masks every tile), on a prepared batch and with validate=False; lengths 0 and 1 and n != nk; a table too short
+    for a sequence is refused."""
+    from helpers.kernels.varlen import prepare_varlen
+    lens_q, lens_k = [5, 0, 1, 33, 12], [9, 3, 0, 40, 4]
+    q, k, v = _packed(lens_q, lens_k, 4, 2, 16, DTYPES[0], seed=21)
+    kp, table = _pages(k, lens_k, page, seed=1)
+    vp, _ = _pages(v, lens_k, page, seed=1)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    o, lse = flash_attn_varlen_triton(q, k, v, cu_q, cu_k, 33, 40, causal=True, window_size=(6, -1))
+    batch = prepare_varlen(cu_q, cu_k)
+    for layout, kw in ((batch, {}), (cu_q, dict(cu_seqlens_k=cu_k, max_seqlen_q=33, max_seqlen_k=40, validate=False))):
+        o2, lse2 = flash_attn_varlen_triton(q, kp, vp, layout, causal=True, window_size=(6, -1), block_table=table,
+                                            **kw)
+        assert torch.allclose(o2.float(), o.float(), atol=1e-6) and torch.allclose(lse2, lse, atol=1e-6)
+    with pytest.raises(ValueError, match="block_table's"):
+        flash_attn_varlen_triton(q, kp, vp, batch, block_table=table[:, :7])
+    with pytest.raises(ValueError, match="a row per sequence"):
+        flash_attn_varlen_triton(q, kp, vp, batch, block_table=table[:2])
+
+
 # ---------------------------------------------------------------------------- the map
 
 

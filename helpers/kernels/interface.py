@@ -25,16 +25,16 @@ varlen kernels through their public functions (``prepare_varlen``, ``flash_attn_
 ``flash_attn_varlen_bwd_triton``): one ``VarlenBatch`` per batch, kept while the same cu_seqlens tensors come back
 unchanged (every layer of a step), so cu_seqlens is copied to the host once per batch. ``flash_attn_with_kvcache``
 runs ``kvcache.flash_attn_with_kvcache_triton``. Each option the kernels have is passed through: causal
-(bottom-right, as the library), window_size, softcap and ALiBi (together in the dense kernels), dropout (dense:
-Philox, reproducible under ``torch.manual_seed``, the backward regenerating the forward's mask), any head dim from
-1 to 256, GQA/MQA, N != Nk. ``deterministic``: the course's backward is deterministic already (no atomics for dQ
-by default); True pins it.
+(bottom-right, as the library), window_size, softcap and ALiBi (together too), dropout (Philox, reproducible under
+``torch.manual_seed``, the backward regenerating the forward's mask; packed, sequence b's mask is the dense mask of
+batch entry b), any head dim from 1 to 256, GQA/MQA, N != Nk; in ``flash_attn_varlen_func``, ``block_table``
+(paged K/V, forward only as the library's: the output carries no gradient). ``deterministic``: the course's
+backward is deterministic already (no atomics for dQ by default); True pins it.
 
-What is refused, with a message that says so (``NotImplementedError``): dropout, softcap with ALiBi, and
-``block_table`` (paged K/V) in the varlen forms; in ``flash_attn_with_kvcache``, ``cache_leftpad``,
-``return_softmax_lse`` and ``cache_batch_idx`` over a contiguous cache whose length is not a multiple of 16.
-Where the varlen kernels still need it, the varlen forms copy: a head dim that is not a multiple of 8 is padded
-with zeros (as the library itself does before its kernels), and the packed kv and qkv views are made contiguous.
+What is refused, with a message that says so (``NotImplementedError``): in ``flash_attn_with_kvcache``,
+``cache_leftpad``, ``return_softmax_lse`` and ``cache_batch_idx`` over a contiguous cache whose length is not a
+multiple of 16. Where the varlen kernels still need it, the varlen forms copy: the packed kv and qkv views are made
+contiguous.
 
 Written for this course.
 """
@@ -278,12 +278,6 @@ def _batch_for(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device):
     return batch
 
 
-def _varlen_refusals(block_table):
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged K/V) in flash_attn_varlen_func: the course's varlen forward "
-                                  "reads packed k, v only (flash_attn_with_kvcache takes a paged cache)")
-
-
 def _varlen_attn_probs(q, k, lse, batch, mods, scale, dropout):
     """The varlen forms' S_dmask, for tests: [B, H, max_seqlen_q, max_seqlen_k] in q's dtype, sequence b's
     probabilities (normalised by the kernel's lse) in its top-left [len_q, len_k] corner, each dropped entry negated,
@@ -350,15 +344,44 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
+def _varlen_paged(q, k, v, batch, block_table, dropout_p, softmax_scale, causal, window_size, softcap,
+                  alibi_slopes, return_softmax):
+    """flash_attn_varlen_func with block_table: k, v pages [num_blocks, page_block_size, Hkv, d], sequence b's key
+    j in page block_table[b, j // page_block_size]. Forward only, as the library's (its paged varlen has no
+    backward): the output carries no gradient."""
+    d = q.shape[-1]
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    dropout = _check_dropout_args(dropout_p, None)
+    with torch.no_grad():
+        qc = q.detach().contiguous()
+        o, lse = flash_attn_varlen_triton(qc, k.detach(), v.detach(), batch, causal=causal, sm_scale=scale,
+                                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                          dropout_p=dropout.p, rng_state=(dropout.seed, dropout.offset),
+                                          block_table=block_table)
+        if not return_softmax:
+            return o
+        probs = None
+        if dropout.p > 0:  # for tests: the pages gathered into packed keys (one host copy of the table)
+            table = block_table.tolist()
+            lens = batch.lengths_k.tolist()
+            kp = torch.cat([k[table[b]].flatten(0, 1)[:n] for b, n in enumerate(lens)])  # [total_k, Hkv, d]
+            checked = _check_mods(causal, window_size, softcap, alibi_slopes, q.shape[1], batch.num_seqs, q.device,
+                                  "num_seqs", both=True)
+            probs = _varlen_attn_probs(qc, kp, lse, batch, checked, scale, dropout)
+        return o, lse, probs
+
+
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table):
     """The varlen forms' common path: the refusals, the inputs' checks, the batch, the autograd Function (the
     packed forms pass their kv or qkv views; autograd gathers the gradients into the packed tensor)."""
-    _varlen_refusals(block_table)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    _check_qkv(q, k, v, (3, 3, 3), strided=True)
+    _check_qkv(q, k, v, (3, 4, 4) if block_table is not None else (3, 3, 3), strided=True)
     batch = _batch_for(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
+    if block_table is not None:
+        return _varlen_paged(q, k, v, batch, block_table, dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, return_attn_probs)
     return _FlashAttnVarlenFunc.apply(q, k, v, batch, dropout_p, softmax_scale, causal, window_size, softcap,
                                       alibi_slopes, return_attn_probs)
 
@@ -427,9 +450,12 @@ def flash_attn_varlen_func(
     """The library's ``flash_attn_varlen_func``: q [total_q, H, d], k, v [total_k, Hkv, d], cu_seqlens_q and
     cu_seqlens_k int32 [B + 1] (0, then the cumulative lengths), max_seqlen_q, max_seqlen_k the longest lengths ->
     out [total_q, H, d] (differentiable). causal, window_size and ALiBi ([H] or [B, H]) bottom-right per sequence;
-    softcap; return_attn_probs adds the lse [H, total_q] (and None). A ``VarlenBatch`` (``prepare_varlen``) may
-    stand in place of cu_seqlens_q, with None for the next three. Refused (NotImplementedError): dropout_p > 0,
-    softcap with alibi_slopes, block_table.
+    softcap (with ALiBi too); dropout_p as in ``flash_attn_func`` (sequence b's mask the dense one of batch entry
+    b); any d from 1 to 256. return_attn_probs adds the lse [H, total_q] and S_dmask (None without dropout; else
+    [B, H, max_seqlen_q, max_seqlen_k], sequence b's P in its top-left corner, dropped entries negated).
+    block_table int32 [B, max_blocks]: k, v are pages [num_blocks, page_block_size, Hkv, d] (any page size here),
+    sequence b's key j in page block_table[b, j // page_block_size]; forward only, as the library's. A
+    ``VarlenBatch`` (``prepare_varlen``) may stand in place of cu_seqlens_q, with None for the next three.
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                    causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)

@@ -3,7 +3,8 @@
 Public:
 
 * ``flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-  sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> O``: differentiable, the
+  sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None) -> O``:
+  differentiable (dropout's mask regenerated in the backward from the forward's rng_state), the
   FlashAttention library's ``flash_attn_varlen_func`` layout (q ``[total_q, H, d]``, k, v ``[total_k, Hkv, d]``,
   causal, the window and ALiBi bottom-right per sequence); forward =
   ``helpers.kernels.varlen.flash_attn_varlen_triton``, backward = the kernels below. The training path:
@@ -11,7 +12,8 @@ Public:
   causal=True)`` in every layer: neither pass reads anything back from the GPU (a step can be captured in a
   CUDA graph). With the library's four arguments instead, each call prepares its own batch (the slow path).
 * ``flash_attn_varlen_bwd_triton(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-  causal=False, sm_scale=None, *, window_size, softcap, alibi_slopes) -> (dq, dk, dv)``; a ``VarlenBatch`` may
+  causal=False, sm_scale=None, *, window_size, softcap, alibi_slopes, dropout_p, rng_state) -> (dq, dk, dv)``
+  (dropout_p > 0 needs the forward's rng_state); a ``VarlenBatch`` may
   stand for the four layout arguments, as in the forward.
 
 The dense backward's kernels on the packed layout (helpers/kernels/backward.py): the preprocess with the packed
@@ -351,7 +353,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                            dropout_p=0.0, rng_state=None):
     """Differentiable attention over packed sequences (the library's ``flash_attn_varlen_func``): O [total_q, H, d].
 
-    q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv; d a multiple of 8 up to 256. The layout:
+    q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv; any d from 1 to 256. The layout:
 
     * ``flash_attention_varlen(q, k, v, batch, causal=True)`` with ``batch = prepare_varlen(cu_seqlens)`` made once
       per batch and passed to every layer (the training path: no host sync in the forward or the backward; the
@@ -361,7 +363,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
       maps built again: the slow path, for a single call).
 
     causal: bottom-right per sequence. Gradients flow to q, k and v. ``window_size``, ``softcap``,
-    ``alibi_slopes`` ([H] or [num_seqs, H]): the library's, bottom-right per sequence (see
+    ``alibi_slopes`` ([H] or [num_seqs, H]; with softcap too), ``dropout_p`` and ``rng_state`` (None: drawn from
+    torch's generator, kept for the backward): the library's, bottom-right per sequence (see
     ``flash_attn_varlen_triton``).
     """
     if isinstance(cu_seqlens_q, VarlenBatch) and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None:
