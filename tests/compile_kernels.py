@@ -446,7 +446,7 @@ def varlen_bwd_jobs(cc, dtypes):
                                            else dict(DQ=dtype, Q_START="i32")), **mod_ptrs)
                 sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap", "p_drop"), dict(
                     HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True,
-                    DROPOUT=dropout, **consts))
+                    DROPOUT=dropout, **consts), aligned_strides=d % 8 == 0)
                 return fn, sig, const, attrs, cfg
             jobs.append(Job(label, f"fp16 d={d} causal{_mods_label(window, mod)}{_new_label(d, dropout)} "
                             f"{_cfg_label(cfg)}", build, _meta(kind, cfg, d, "fp16", cc)))

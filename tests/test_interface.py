@@ -522,6 +522,30 @@ def test_dense_forms_read_their_inputs_in_place(monkeypatch):
     assert seen[-1] == (q.data_ptr(), kv.data_ptr(), kv.data_ptr() + d * elt)
 
 
+def test_varlen_forms_read_their_inputs_in_place(monkeypatch):
+    """The varlen forms hand the varlen kernels views of the packed qkv and kv (no .contiguous() copy, no padding
+    of an odd head dim), forward and backward; the gradient of qkv is one [total, 3, H, d] tensor."""
+    import helpers.kernels.interface as mod
+    seen = []
+    fwd, bwd = mod.flash_attn_varlen_triton, mod.flash_attn_varlen_bwd_triton
+    monkeypatch.setattr(mod, "flash_attn_varlen_triton", lambda q, k, v, *a, **kw: seen.append(
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape[-1])) or fwd(q, k, v, *a, **kw))
+    monkeypatch.setattr(mod, "flash_attn_varlen_bwd_triton", lambda do, q, k, v, *a, **kw: seen.append(
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape[-1])) or bwd(do, q, k, v, *a, **kw))
+    H, d = 2, 13
+    cu = _cu([5, 9])
+    qkv = torch.randn(14, 3, H, d, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    out = fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 9, causal=True)
+    out.float().sum().backward()
+    elt = qkv.element_size()
+    want = (qkv.data_ptr(), qkv.data_ptr() + H * d * elt, qkv.data_ptr() + 2 * H * d * elt, d)
+    assert seen == [want, want] and out.shape == (14, H, d) and qkv.grad.shape == qkv.shape
+    q = torch.randn(14, H, d, device=DEVICE, dtype=torch.float16)
+    kv = torch.randn(14, 2, 1, d, device=DEVICE, dtype=torch.float16)
+    fa.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 9, 9)
+    assert seen[-1] == (q.data_ptr(), kv.data_ptr(), kv.data_ptr() + d * elt, d)
+
+
 def test_varlen_batch_is_prepared_once_per_batch(monkeypatch):
     """The same cu_seqlens tensors in every layer: cu_seqlens goes to the host once; a changed tensor is read again."""
     import helpers.kernels.interface as mod

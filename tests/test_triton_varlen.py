@@ -168,6 +168,26 @@ def test_varlen_no_queries_or_no_keys():
     assert (o == 0).all() and torch.isneginf(lse).all()
 
 
+def test_varlen_strided_views_give_the_contiguous_result():
+    """q, k, v as views of one packed qkv [total, 3, H, d] (token stride 3 * H * d, d = 24: rows not 16-byte
+    aligned), forward and backward through flash_attention_varlen on a prepared batch: the same O and gradients as
+    on contiguous copies, bit for bit (the same tiles; only the addresses differ)."""
+    from helpers.kernels.varlen import prepare_varlen
+    from helpers.kernels.varlen_backward import flash_attention_varlen
+    lens, H, d = [7, 1, 30], 2, 24
+    g = torch.Generator().manual_seed(31)
+    qkv = torch.randn(sum(lens), 3, H, d, generator=g).to(DEVICE, DTYPES[0])
+    do = torch.randn(sum(lens), H, d, generator=g).to(DEVICE, DTYPES[0])
+    batch = prepare_varlen(_cu(lens))
+    results = []
+    for views in (True, False):
+        x = qkv.clone().requires_grad_()
+        q, k, v = x.unbind(1) if views else (t.contiguous() for t in x.unbind(1))
+        o = flash_attention_varlen(q, k, v, batch, causal=True, window_size=(9, -1))
+        results.append((o, *torch.autograd.grad(o, x, do)))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def _pages(k, lens_k, page, seed):
     """The packed keys k [total_k, Hkv, d] as shuffled pages [num_pages, page, Hkv, d] (the rows past a sequence's
     end and a spare page NaN) and the int32 table [B, max_pages] that names sequence b's pages."""

@@ -33,8 +33,8 @@ backward is deterministic already (no atomics for dQ by default); True pins it.
 
 What is refused, with a message that says so (``NotImplementedError``): in ``flash_attn_with_kvcache``,
 ``cache_leftpad``, ``return_softmax_lse`` and ``cache_batch_idx`` over a contiguous cache whose length is not a
-multiple of 16. Where the varlen kernels still need it, the varlen forms copy: the packed kv and qkv views are made
-contiguous.
+multiple of 16. Nothing is copied: the varlen forms hand the kernels their q, k, v (the packed kv[:, 0], qkv[:, 1]
+views too) with their strides, and autograd gathers the packed forms' gradients.
 
 Written for this course.
 """
@@ -322,9 +322,8 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         dropout = _check_dropout_args(dropout_p, None)  # a fresh (seed, offset) from torch's generator
         mods = dict(causal=causal, sm_scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                     dropout_p=dropout.p, rng_state=(dropout.seed, dropout.offset))
-        qc, kc, vc = (x.contiguous() for x in (q, k, v))  # copies only where the varlen kernels need them
-        o, lse = flash_attn_varlen_triton(qc, kc, vc, batch, **mods)  # [total_q, H, d], [H, total_q]
-        ctx.save_for_backward(qc, kc, vc, o, lse)
+        o, lse = flash_attn_varlen_triton(q, k, v, batch, **mods)  # [total_q, H, d], [H, total_q]; q, k, v in place
+        ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (batch, mods)
         if not return_softmax:
             return o
@@ -333,14 +332,14 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         if dropout.p > 0:
             checked = _check_mods(causal, window_size, softcap, alibi_slopes, q.shape[1], batch.num_seqs, q.device,
                                   "num_seqs", both=True)
-            probs = _varlen_attn_probs(qc, kc, lse, batch, checked, scale, dropout)
+            probs = _varlen_attn_probs(q, k, lse, batch, checked, scale, dropout)
         return o, lse, probs
 
     @staticmethod
     def backward(ctx, dout, *args):
-        qc, kc, vc, o, lse = ctx.saved_tensors
+        q, k, v, o, lse = ctx.saved_tensors
         batch, mods = ctx.args
-        dq, dk, dv = flash_attn_varlen_bwd_triton(dout.contiguous(), qc, kc, vc, o, lse, batch, **mods)
+        dq, dk, dv = flash_attn_varlen_bwd_triton(dout, q, k, v, o, lse, batch, **mods)  # q, k, v in place
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -353,7 +352,7 @@ def _varlen_paged(q, k, v, batch, block_table, dropout_p, softmax_scale, causal,
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
     dropout = _check_dropout_args(dropout_p, None)
     with torch.no_grad():
-        qc = q.detach().contiguous()
+        qc = q.detach()
         o, lse = flash_attn_varlen_triton(qc, k.detach(), v.detach(), batch, causal=causal, sm_scale=scale,
                                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                           dropout_p=dropout.p, rng_state=(dropout.seed, dropout.offset),

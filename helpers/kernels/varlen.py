@@ -584,9 +584,10 @@ def tuned_launch(key, configs, launch, device):
 
 
 def _check_packed(q, k, v):
-    """q [total_q, H, d], k and v [total_k, Hkv, d] (H a multiple of Hkv, d a head dim the kernels take):
-    returns (total_q, H, d, total_k, Hkv)."""
-    _check_qkv(q, k, v, (3, 3, 3))
+    """q [total_q, H, d], k and v [total_k, Hkv, d] (H a multiple of Hkv, d a head dim the kernels take; any
+    strides with a unit stride along d: the library's packed kv[:, 0] and qkv[:, 1] are read in place): returns
+    (total_q, H, d, total_k, Hkv)."""
+    _check_qkv(q, k, v, (3, 3, 3), strided=True)
     total_q, H, d = q.shape
     total_k, Hkv, dk = k.shape
     if dk != d:
@@ -604,8 +605,6 @@ def _check_paged(q, k, v, block_table, layout):
     long enough for every sequence's keys (checked on a batch's host lengths; with validate=False, as the library,
     not at all). Returns (total_q, H, d, Hkv, page)."""
     _check_qkv(q, k, v, (3, 4, 4), strided=True)
-    if not q.is_contiguous():
-        raise ValueError("q must be contiguous [total_q, H, d] with block_table (O is written in q's layout)")
     total_q, H, d = q.shape
     num_pages, page, Hkv, dk = k.shape
     if dk != d:
@@ -772,16 +771,26 @@ class _FwdPlan(_LayoutRef):
         if paged and use_tma:
             raise ValueError("use_tma=True with block_table: paged K/V takes the pointer path (a page lookup per "
                              "key tile): leave use_tma=None")
+        # TMA's descriptors view K and V as [total_k, Hkv * d] with the token stride as the row stride: the heads
+        # of a token side by side (head stride d), rows 16-byte aligned (contiguous k, and the library's kv[:, 0])
+        elt = k.element_size()
+        tma_view = (not paged and k.stride() == v.stride() and k.stride(1) == d and (k.stride(0) * elt) % 16 == 0
+                    and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
+        if use_tma and not tma_view:
+            raise ValueError(f"use_tma=True needs k and v with the heads of a token side by side (head stride d) and "
+                             f"16-byte aligned rows; these have strides {k.stride()}, {v.stride()}: leave "
+                             f"use_tma=None")
         if use_tma is None:
-            use_tma = _use_tma_default(q) and not paged
+            use_tma = _use_tma_default(q) and tma_view
         _check_use_tma(use_tma, q)
         self.use_tma = bool(use_tma)
         self.kv_2d = [total_k, Hkv * d]  # K and V viewed as [total_k, Hkv * d] for their descriptors
-        self.kv_strides = [Hkv * d, 1]
-        # o = empty_like(q): q's strides; paged: the strides within a page (row, head), the page's after
+        self.kv_strides = [k.stride(0), 1]
+        # O: a new contiguous [total_q, H, d] (q may be a view of a packed qkv); K, V: their own strides; paged:
+        # the strides within a page (row, head), the page's after
         ks, vs = (k.stride()[1:], v.stride()[1:]) if paged else (k.stride(), v.stride())
         self.tail = (layout.cu_seqlens_q, layout.cu_seqlens_k, q.stride(0), q.stride(1), ks[0], ks[1],
-                     vs[0], vs[1], q.stride(0), q.stride(1), total_q, H, Hkv, qk_scale, mods.slopes,
+                     vs[0], vs[1], H * d, d, total_q, H, Hkv, qk_scale, mods.slopes,
                      mods.stride_sb, max(mods.left, 0), max(mods.right, 0), float(sm_scale), mods.cap)
         self.meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), USE_TMA=self.use_tma, **mods.meta())
         if p_drop > 0:
@@ -816,8 +825,8 @@ class _FwdPlan(_LayoutRef):
             return
         desc_k = desc_v = None
         if self.use_tma:
-            desc_k = TensorDescriptor(k.view(self.kv_2d), self.kv_2d, self.kv_strides, block)  # [total_k, Hkv*d]
-            desc_v = TensorDescriptor(v.view(self.kv_2d), self.kv_2d, self.kv_strides, block)
+            desc_k = TensorDescriptor(k, self.kv_2d, self.kv_strides, block)  # [total_k, Hkv * d] over k's rows
+            desc_v = TensorDescriptor(v, self.kv_2d, self.kv_strides, block)
         if rng is None:
             launcher(q, k, v, o, lse, desc_k, desc_v, *args, **kwargs)
         else:
@@ -830,7 +839,8 @@ class _FwdPlan(_LayoutRef):
             raise ValueError("a varlen plan with dropout runs with its rng_state=(seed, offset)")
         if self.p_drop == 0:
             rng = None
-        o = torch.empty_like(q)  # [total_q, H, d]: every row is written (each belongs to one map entry)
+        o = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # [total_q, H, d]: every row is written (each
+        # belongs to one map entry)
         lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)  # [H, total_q]
         if self.empty:  # no rows; or no sequence has a key: every row is empty (and nothing to point K at)
             return (o, lse) if o.numel() == 0 else (o.zero_(), lse.fill_(float("-inf")))
@@ -852,7 +862,8 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqle
     """Attention over packed sequences of different lengths: returns ``(O, lse)``.
 
     q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv (query head h reads KV head
-    h // (H // Hkv)). The layout, either way:
+    h // (H // Hkv)); any d from 1 to 256; any strides with a unit stride along d (the library's packed qkv[:, 1]
+    and kv[:, 0] are read in place; TMA where the heads of a token sit side by side). The layout, either way:
 
     * ``flash_attn_varlen_triton(q, k, v, batch, causal=...)`` with ``batch = prepare_varlen(...)``, made once
       per batch: nothing waits for the GPU; the first call of a shape checks the inputs and builds its launch
@@ -864,7 +875,7 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqle
       the maps built again: the slow path); ``validate=False`` checks nothing and builds lesson 10's map on the
       device (no sync; wrong values give wrong results).
 
-    O: [total_q, H, d] in q's dtype; lse: [H, total_q] float32, natural log. causal: bottom-right per
+    O: [total_q, H, d] in q's dtype, contiguous; lse: [H, total_q] float32, natural log. causal: bottom-right per
     sequence, row i of a sequence with lengths (n, nk) sees key j when j <= i + nk - n (the library's
     convention); a row that sees no key (n > nk, or nk = 0) gets O = 0, lse = -inf.
 
