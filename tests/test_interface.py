@@ -11,9 +11,11 @@ library's spirit.
   computed in the input dtype (with its operations reordered, as the library's ``attention_ref(upcast=False,
   reorder_ops=True)``), every gradient's at most three times; the lse against float64. With dropout, the mask is
   read back from S_dmask's signs (the library's way), both references use it, and it is the kernels' own mask
-  (``dropout_keep_mask``). What the course does not take yet is refused with a message the case names
-  (``refusal``). Under the interpreter: a small grid in fp16 (fp16 is the library's dtype; the interpreter's dots
-  accumulate in fp32 as a GPU's); natively in ``make check-gpu``: a larger one in fp16 and bf16.
+  (``dropout_keep_mask``; packed, sequence b's mask is the dense one of batch entry b). The varlen forms' paged K/V
+  (``block_table``) is forward only, as the library's: those cases check the output alone. What the course does not
+  take is refused with a message the case names (``refusal``: nothing in the grid, now). Under the interpreter: a
+  small grid in fp16 (fp16 is the library's dtype; the interpreter's dots accumulate in fp32 as a GPU's); natively
+  in ``make check-gpu``: a larger one in fp16 and bf16.
 * Dropout statistically: the kept fraction, per stripe of rows and columns, reproducibility under
   ``torch.manual_seed`` and the (seed, offset) that name a mask.
 * The KV cache: new keys and values appended in place, rotary embeddings (interleaved and not), a paged cache and
@@ -688,3 +690,10 @@ def test_bad_arguments():
         fa.flash_attn_func(x, x, x)
     with pytest.raises(TypeError, match="pass None for cu_seqlens_k"):
         fa.flash_attn_varlen_func(q[0], q[0], q[0], fa.prepare_varlen(_cu([8])), _cu([8]), 8, 8)
+    pages = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)  # [num_blocks, page_block_size, Hkv, d]
+    with pytest.raises(ValueError, match="block_table must have a row per sequence"):
+        fa.flash_attn_varlen_func(q[0], pages, pages, _cu([8]), _cu([8]), 8, 8,
+                                  block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="block_table's 1 pages of 8 hold 8"):
+        fa.flash_attn_varlen_func(q[0], pages, pages, _cu([8]), _cu([9]), 8, 9,
+                                  block_table=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE))

@@ -171,7 +171,8 @@ def test_varlen_no_queries_or_no_keys():
 def test_varlen_strided_views_give_the_contiguous_result():
     """q, k, v as views of one packed qkv [total, 3, H, d] (token stride 3 * H * d, d = 24: rows not 16-byte
     aligned), forward and backward through flash_attention_varlen on a prepared batch: the same O and gradients as
-    on contiguous copies, bit for bit (the same tiles; only the addresses differ)."""
+    on contiguous copies, bit for bit under the interpreter (the same tiles; only the addresses differ), within
+    the dtype's tolerance natively (each layout its own plan, TMA or not)."""
     from helpers.kernels.varlen import prepare_varlen
     from helpers.kernels.varlen_backward import flash_attention_varlen
     lens, H, d = [7, 1, 30], 2, 24
@@ -185,7 +186,10 @@ def test_varlen_strided_views_give_the_contiguous_result():
         q, k, v = x.unbind(1) if views else (t.contiguous() for t in x.unbind(1))
         o = flash_attention_varlen(q, k, v, batch, causal=True, window_size=(9, -1))
         results.append((o, *torch.autograd.grad(o, x, do)))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    if ON_GPU:
+        assert all(torch.allclose(a.float(), b.float(), atol=TOL[DTYPES[0]]) for a, b in zip(*results))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def _pages(k, lens_k, page, seed):
@@ -222,7 +226,8 @@ def test_varlen_paged_kv_is_the_packed_result(page=5):
     for layout, kw in ((batch, {}), (cu_q, dict(cu_seqlens_k=cu_k, max_seqlen_q=33, max_seqlen_k=40, validate=False))):
         o2, lse2 = flash_attn_varlen_triton(q, kp, vp, layout, causal=True, window_size=(6, -1), block_table=table,
                                             **kw)
-        assert torch.allclose(o2.float(), o.float(), atol=1e-6) and torch.allclose(lse2, lse, atol=1e-6)
+        tol = TOL[DTYPES[0]] if ON_GPU else 1e-6  # natively the paged key class may time other tiles
+        assert torch.allclose(o2.float(), o.float(), atol=tol) and torch.allclose(lse2, lse, atol=tol)
     with pytest.raises(ValueError, match="block_table's"):
         flash_attn_varlen_triton(q, kp, vp, batch, block_table=table[:, :7])
     with pytest.raises(ValueError, match="a row per sequence"):
