@@ -825,6 +825,9 @@ class _FwdPlan(_LayoutRef):
             return
         desc_k = desc_v = None
         if self.use_tma:
+            if (k.data_ptr() | v.data_ptr()) % 16:  # the plan was made for aligned ones: a view at another offset
+                raise ValueError("k and v must start on 16 bytes on the TMA path this call shape's plan takes "
+                                 "(pass use_tma=False, or aligned views)")
             desc_k = TensorDescriptor(k, self.kv_2d, self.kv_strides, block)  # [total_k, Hkv * d] over k's rows
             desc_v = TensorDescriptor(v, self.kv_2d, self.kv_strides, block)
         if rng is None:
