@@ -358,26 +358,39 @@ def varlen_jobs(cc, dtypes):
     plan = _plan(cc, "varlen", [False]) + _padded(cc, "varlen", False)  # TMA
     if _use_tma(cc, "fp16"):  # the dense forward's body: its TMA path is compiled in every configuration above
         plan += [("fp16", 128, plan[0][2], True)]
-    plan = [(dt, d, cfg, (tma, False, 0)) for dt, d, cfg, tma in plan]
+    plan = [(dt, d, cfg, (tma, False, 0, False)) for dt, d, cfg, tma in plan]
     if cc in VARIANT_TARGETS:  # the window with softcap: the dense body's lower band and score mod, packed
-        plan += [("fp16", 128, plan[0][2], (False, True, 1))]
+        plan += [("fp16", 128, plan[0][2], (False, True, 1, False))]
     if cc in VARIANT_TARGETS:  # a batch of short documents' extra tiles (the launcher adds them from sm_90)
-        plan += [("fp16", 128, cfg, (_use_tma(cc, "fp16"), False, 0)) for cfg in _short_configs("varlen", 128, cc)]
+        plan += [("fp16", 128, cfg, (_use_tma(cc, "fp16"), False, 0, False)) for cfg in _short_configs("varlen", 128, cc)]
+    # the newest switches, packed: softcap with ALiBi and dropout (d = 128; 64 on a T4), and on VARIANT_TARGETS a
+    # window with both at ODD_D (unaligned strides, the pointer path)
+    plan += [(dt, d, cfg, (False, window, mod, dropout)) for dt, d, cfg, (_, window, mod, dropout)
+             in _new_plan(cc, "varlen", (True,))]
+    plan = [(dt, d, cfg, (*v, False)) for dt, d, cfg, v in plan]  # (..., PAGED)
+    if cc in NEW_VARIANT_TARGETS:  # paged K/V (block_table): a page lookup per key tile, one masked loop
+        d = 128 if cc >= 80 else 64
+        cfg = _configs("varlen", d, "fp16", cc)[0]
+        plan.append(("fp16", d, cfg, (False, False, 0, False, True)))
+        if cc in VARIANT_TARGETS:  # with every option
+            plan.append(("fp16", d, cfg, (False, True, 3, True, True)))
     jobs = []
-    for dtype, d, cfg, (tma, window, mod) in plan:
-        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, window=window, mod=mod):
+    for dtype, d, cfg, (tma, window, mod, dropout, paged) in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, window=window, mod=mod, dropout=dropout, paged=paged):
             fn = tv._attn_fwd_varlen
             bn = cfg["BLOCK_N"]
             desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
             mod_ptrs, consts = _mods_sig(window, mod)
             ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", SEQ_IDX="i32", Q_START="i32",
-                        CU_Q="i32", CU_K="i32", **mod_ptrs)
-            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap"), dict(
+                        CU_Q="i32", CU_K="i32", **mod_ptrs, **(dict(BT="i32") if paged else {}))
+            sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap", "p_drop"), dict(
                 desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, CAUSAL=True,
-                USE_TMA=tma, **consts))
+                USE_TMA=tma, DROPOUT=dropout, PAGED=paged, **({} if paged else dict(BT=None)), **consts),
+                aligned_strides=d % 8 == 0)
             return fn, sig, const, attrs, cfg
-        jobs.append(Job("varlen forward", f"{dtype} d={d} causal{_mods_label(window, mod)}{' TMA' if tma else ''} "
-                        f"{_cfg_label(cfg)}", build, _meta("varlen", cfg, d, dtype, cc)))
+        jobs.append(Job("varlen forward", f"{dtype} d={d} causal{_mods_label(window, mod)}{_new_label(d, dropout)}"
+                        f"{' paged' if paged else ''}{' TMA' if tma else ''} {_cfg_label(cfg)}", build,
+                        _meta("varlen", cfg, d, dtype, cc)))
     return jobs
 
 
@@ -416,20 +429,27 @@ def varlen_bwd_jobs(cc, dtypes):
             cfgs = cfgs + _short_configs(f"varlen_{kind}", d, cc, kind)
         # the library's options: none; on VARIANT_TARGETS also the window with ALiBi in the dK/dV kernel (the dQ
         # kernel's body is the dense one's, compiled with them in bwd_jobs: 9 s of ptxas saved)
-        plan = [(cfg, False, 0) for cfg in cfgs]
+        plan = [(d, cfg, False, 0, False) for cfg in cfgs]
         if cc in VARIANT_TARGETS and kind == "dkdv":
-            plan.append((cfgs[0], True, 2))
-        for cfg, window, mod in plan:
-            def build(fn=fn, cfg=cfg, d=d, kind=kind, dtype="fp16", window=window, mod=mod):
+            plan.append((d, cfgs[0], True, 2, False))
+        # the newest switches, packed, in the first configuration: softcap with ALiBi and dropout (at d as above);
+        # on VARIANT_TARGETS a window with both at ODD_D
+        if cc in NEW_VARIANT_TARGETS:
+            plan.append((d, cfgs[0], False, 3, True))
+        if cc in VARIANT_TARGETS:
+            plan.append((ODD_D, fits(ODD_D)[0], True, 3, False))
+        for d, cfg, window, mod, dropout in plan:
+            def build(fn=fn, cfg=cfg, d=d, kind=kind, dtype="fp16", window=window, mod=mod, dropout=dropout):
                 mod_ptrs, consts = _mods_sig(window, mod)
                 ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", SEQ_IDX="i32", CU_Q="i32",
                             CU_K="i32", **(dict(DK=dtype, DV=dtype, K_START="i32") if kind == "dkdv"
                                            else dict(DQ=dtype, Q_START="i32")), **mod_ptrs)
-                sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap"), dict(
-                    HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True, **consts))
+                sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap", "p_drop"), dict(
+                    HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True,
+                    DROPOUT=dropout, **consts), aligned_strides=d % 8 == 0)
                 return fn, sig, const, attrs, cfg
-            jobs.append(Job(label, f"fp16 d={d} causal{_mods_label(window, mod)} {_cfg_label(cfg)}", build,
-                            _meta(kind, cfg, d, "fp16", cc)))
+            jobs.append(Job(label, f"fp16 d={d} causal{_mods_label(window, mod)}{_new_label(d, dropout)} "
+                            f"{_cfg_label(cfg)}", build, _meta(kind, cfg, d, "fp16", cc)))
     return jobs
 
 

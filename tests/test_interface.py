@@ -11,9 +11,11 @@ library's spirit.
   computed in the input dtype (with its operations reordered, as the library's ``attention_ref(upcast=False,
   reorder_ops=True)``), every gradient's at most three times; the lse against float64. With dropout, the mask is
   read back from S_dmask's signs (the library's way), both references use it, and it is the kernels' own mask
-  (``dropout_keep_mask``). What the course does not take yet is refused with a message the case names
-  (``refusal``). Under the interpreter: a small grid in fp16 (fp16 is the library's dtype; the interpreter's dots
-  accumulate in fp32 as a GPU's); natively in ``make check-gpu``: a larger one in fp16 and bf16.
+  (``dropout_keep_mask``; packed, sequence b's mask is the dense one of batch entry b). The varlen forms' paged K/V
+  (``block_table``) is forward only, as the library's: those cases check the output alone. What the course does not
+  take is refused with a message the case names (``refusal``: nothing in the grid, now). Under the interpreter: a
+  small grid in fp16 (fp16 is the library's dtype; the interpreter's dots accumulate in fp32 as a GPU's); natively
+  in ``make check-gpu``: a larger one in fp16 and bf16.
 * Dropout statistically: the kept fraction, per stripe of rows and columns, reproducibility under
   ``torch.manual_seed`` and the (seed, offset) that name a mask.
 * The KV cache: new keys and values appended in place, rotary embeddings (interleaved and not), a paged cache and
@@ -149,27 +151,21 @@ class Case:
     softcap: float
     dropout: float
     deterministic: bool
-    paged: bool = False  # varlen with block_table
+    paged: int = 0  # varlen with block_table: K/V in pages of this many rows (0: packed)
 
     @property
     def id(self):
         mods = "".join([" causal" * self.causal, f" window{self.window}" * (self.window != (-1, -1)),
                         " alibi" * self.alibi, f" softcap{self.softcap:g}" * (self.softcap > 0),
-                        f" dropout{self.dropout:g}" * (self.dropout > 0), " paged" * self.paged])
+                        f" dropout{self.dropout:g}" * (self.dropout > 0), f" paged{self.paged}" * bool(self.paged)])
         lens = f"N={self.lens_q[0]} Nk={self.lens_k[0]}" if "varlen" not in self.kind else \
             f"lens={list(self.lens_q)}/{list(self.lens_k)}"
         return f"{self.kind} {self.dtype} d={self.d} {lens} H={self.H}/{self.Hkv}{mods}"
 
 
 def refusal(case):
-    """The message the interface refuses this case with, or None: what the course's kernels do not take yet."""
-    if "varlen" in case.kind:
-        if case.paged:
-            return "block_table (paged K/V) in flash_attn_varlen_func"
-        if case.dropout > 0:
-            return "dropout_p > 0 in the varlen forms"
-        if case.alibi and case.softcap > 0:
-            return "softcap and alibi_slopes together in the varlen forms"
+    """The message the interface refuses this case with, or None: what the course's kernels do not take yet
+    (nothing, now: every case of the grid runs)."""
     return None
 
 
@@ -217,9 +213,10 @@ def grid(native=ON_GPU, seed=0):
         cases.append(Case(kind, rng.choice(dtypes), d, lens_q, lens_k, H, Hkv, causal, window, alibi,
                           rng.choice((5.0, 30.0)) if softcap else 0.0, 0.17 if dropout else 0.0,
                           rng.random() < 0.5))
-    cases += [Case("varlen", "fp16", 64, (17, 5), (30, 9), 4, 2, True, (-1, -1), False, 0.0, 0.0, False, paged=True),
-              Case("varlen_kvpacked", "fp16", 59, (3,), (40,), 4, 1, False, (-1, -1), False, 0.0, 0.0, False,
-                   paged=True)]
+    # paged K/V (flash_attn_varlen_func's block_table, forward only): pages of 8 rows, and of 12 (the library asks
+    # for multiples of 256; the kernel's lookup is per key, any size works), shuffled; with the score mods, dropout
+    cases += [Case("varlen", "fp16", 64, (17, 5), (30, 9), 4, 2, True, (-1, -1), False, 0.0, 0.0, False, paged=8),
+              Case("varlen", "fp16", 59, (3, 20), (40, 13), 4, 1, False, (7, 2), True, 5.0, 0.17, False, paged=12)]
     return cases
 
 
@@ -264,8 +261,10 @@ def _make(case, seed):
         outs, lses = [], []
         for b in range(B):
             qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+            keep = r.get("keep")
+            rb = r if keep is None else dict(r, keep=keep[b:b + 1, :, :case.lens_q[b], :case.lens_k[b]])
             o, lse = attention_ref(q[qs][None], k[ks][None], v[ks][None], slopes=None if slopes is None
-                                   else slopes[b:b + 1], **ref_kw, **r)
+                                   else slopes[b:b + 1], **ref_kw, **rb)
             outs.append(o[0])
             lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, 1)  # [total_q, H, d], [H, total_q]
@@ -277,15 +276,28 @@ def _make(case, seed):
     q = rand(tq, H, d).requires_grad_()
     if case.kind == "varlen_kvpacked":
         kv = rand(tk, 2, Hkv, d).requires_grad_()
-        if case.paged:
-            return (lambda: fa.flash_attn_varlen_func(q, *kv.unbind(1), cu_q, cu_k, mq, mk, **kw,
-                                                      block_table=torch.zeros(B, 1, dtype=torch.int32,
-                                                                              device=DEVICE))), [q, kv], None, slopes
         return (lambda: fa.flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, mq, mk, **kw)), [q, kv], \
             lambda ls, **r: per_sequence(ls[0], *ls[1].unbind(1), **r), slopes
     k, v = rand(tk, Hkv, d).requires_grad_(), rand(tk, Hkv, d).requires_grad_()
-    table = torch.zeros(B, 1, dtype=torch.int32, device=DEVICE) if case.paged else None
-    return (lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, **kw, block_table=table)), [q, k, v], \
+    if case.paged:  # the packed keys' pages, shuffled, and a spare page of NaN no table names
+        page = case.paged
+        counts = [-(-n // page) for n in case.lens_k]  # pages per sequence
+        order = torch.randperm(sum(counts) + 1, generator=g).tolist()
+        table = torch.zeros(B, max(counts), dtype=torch.int32)
+        pages = [torch.full((sum(counts) + 1, page, Hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+                 for _ in range(2)]
+        used = 0
+        for b, n in enumerate(case.lens_k):
+            for j in range(counts[b]):
+                rows = slice(int(cu_k[b]) + j * page, int(cu_k[b]) + min((j + 1) * page, n))
+                table[b, j] = order[used]
+                for dst, src in zip(pages, (k, v)):
+                    dst[order[used], :rows.stop - rows.start] = src.detach()[rows]
+                used += 1
+        table = table.to(DEVICE)
+        return (lambda: fa.flash_attn_varlen_func(q, *pages, cu_q, cu_k, mq, mk, **kw, block_table=table)), \
+            [q, k, v], lambda ls, **r: per_sequence(*ls, **r), slopes
+    return (lambda: fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, **kw)), [q, k, v], \
         lambda ls, **r: per_sequence(*ls, **r), slopes
 
 
@@ -312,7 +324,8 @@ def run_case(case, seed=0):
     out, lse, S_dmask = call()
     keep = None
     if case.dropout > 0:
-        assert S_dmask is not None and S_dmask.shape == (len(case.lens_q), case.H, case.lens_q[0], case.lens_k[0])
+        # dense [B, H, N, Nk]; varlen [B, H, max_seqlen_q, max_seqlen_k], sequence b in its top-left corner
+        assert S_dmask is not None and S_dmask.shape == (len(case.lens_q), case.H, max(case.lens_q), max(case.lens_k))
         keep = _dropout_mask(case, S_dmask)
     else:
         assert S_dmask is None
@@ -327,6 +340,9 @@ def run_case(case, seed=0):
     assert e <= 2 * e_pt + _floor(out_ref, out.dtype), f"{case.id}: output error {e:.3g} > 2 x PyTorch's {e_pt:.3g}"
     if keep is not None:
         assert S_dmask.dtype == out.dtype
+    if case.paged:  # forward only, as the library's paged varlen
+        assert not out.requires_grad
+        return
     gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out)
     grads = torch.autograd.grad(out, leaves, gout)
     grads_ref = torch.autograd.grad(out_ref, leaves, gout)
@@ -508,6 +524,30 @@ def test_dense_forms_read_their_inputs_in_place(monkeypatch):
     assert seen[-1] == (q.data_ptr(), kv.data_ptr(), kv.data_ptr() + d * elt)
 
 
+def test_varlen_forms_read_their_inputs_in_place(monkeypatch):
+    """The varlen forms hand the varlen kernels views of the packed qkv and kv (no .contiguous() copy, no padding
+    of an odd head dim), forward and backward; the gradient of qkv is one [total, 3, H, d] tensor."""
+    import helpers.kernels.interface as mod
+    seen = []
+    fwd, bwd = mod.flash_attn_varlen_triton, mod.flash_attn_varlen_bwd_triton
+    monkeypatch.setattr(mod, "flash_attn_varlen_triton", lambda q, k, v, *a, **kw: seen.append(
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape[-1])) or fwd(q, k, v, *a, **kw))
+    monkeypatch.setattr(mod, "flash_attn_varlen_bwd_triton", lambda do, q, k, v, *a, **kw: seen.append(
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape[-1])) or bwd(do, q, k, v, *a, **kw))
+    H, d = 2, 13
+    cu = _cu([5, 9])
+    qkv = torch.randn(14, 3, H, d, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    out = fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 9, causal=True)
+    out.float().sum().backward()
+    elt = qkv.element_size()
+    want = (qkv.data_ptr(), qkv.data_ptr() + H * d * elt, qkv.data_ptr() + 2 * H * d * elt, d)
+    assert seen == [want, want] and out.shape == (14, H, d) and qkv.grad.shape == qkv.shape
+    q = torch.randn(14, H, d, device=DEVICE, dtype=torch.float16)
+    kv = torch.randn(14, 2, 1, d, device=DEVICE, dtype=torch.float16)
+    fa.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 9, 9)
+    assert seen[-1] == (q.data_ptr(), kv.data_ptr(), kv.data_ptr() + d * elt, d)
+
+
 def test_varlen_batch_is_prepared_once_per_batch(monkeypatch):
     """The same cu_seqlens tensors in every layer: cu_seqlens goes to the host once; a changed tensor is read again."""
     import helpers.kernels.interface as mod
@@ -650,3 +690,10 @@ def test_bad_arguments():
         fa.flash_attn_func(x, x, x)
     with pytest.raises(TypeError, match="pass None for cu_seqlens_k"):
         fa.flash_attn_varlen_func(q[0], q[0], q[0], fa.prepare_varlen(_cu([8])), _cu([8]), 8, 8)
+    pages = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)  # [num_blocks, page_block_size, Hkv, d]
+    with pytest.raises(ValueError, match="block_table must have a row per sequence"):
+        fa.flash_attn_varlen_func(q[0], pages, pages, _cu([8]), _cu([8]), 8, 8,
+                                  block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="block_table's 1 pages of 8 hold 8"):
+        fa.flash_attn_varlen_func(q[0], pages, pages, _cu([8]), _cu([9]), 8, 9,
+                                  block_table=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE))

@@ -184,8 +184,12 @@ def test_a_layer_after_the_first_reuses_its_plan(monkeypatch):
     flash_attention_varlen(*layers[0], batch, causal=False)  # another option: checked, a second plan
     assert len(checked) == 2 and len(batch._plans) == 2
     q, k, v = (t.detach() for t in layers[0])
-    with pytest.raises(ValueError, match="must be contiguous"):  # same shape, other strides: checked, refused
-        flash_attention_varlen(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, batch, causal=True)
+    qt = q.transpose(0, 1).contiguous().transpose(0, 1)  # same shape, other strides: checked, a plan of its own
+    assert torch.equal(flash_attn_varlen_triton(qt, k, v, batch, causal=True)[0],
+                       flash_attn_varlen_triton(q, k, v, batch, causal=True)[0])
+    assert len(checked) == 3 and len(batch._plans) == 3
+    with pytest.raises(ValueError, match="unit stride along its last dim"):  # not unit along d: checked, refused
+        flash_attention_varlen(q.permute(2, 1, 0).contiguous().permute(2, 1, 0), k, v, batch, causal=True)
     with pytest.raises(TypeError, match="must share a dtype"):
         flash_attention_varlen(q, k.to(DTYPES[1]), v, batch, causal=True)
     with pytest.raises(TypeError, match="causal must be True or False"):

@@ -1,6 +1,6 @@
 """The FlashAttention library's ``window_size``, ``softcap`` and ``alibi_slopes`` in the course's dense and packed
 Triton kernels (helpers/kernels/forward.py, backward.py, varlen.py, varlen_backward.py); softcap with ALiBi
-together in the dense ones.
+together in both.
 
 Every result is compared, per head, with a float64 dense reference written here (``_ref``: S = q k^T * scale, the
 softcap or the ALiBi bias, then the window as a mask on the diagonal of ``align``, then softmax; a row that sees
@@ -19,7 +19,7 @@ from helpers import lesson12 as L  # noqa: E402
 from helpers.kernels.backward import flash_attention, flash_attn_bwd_triton  # noqa: E402
 from helpers.kernels.forward import flash_attn_triton  # noqa: E402
 from helpers.kernels.varlen import flash_attn_varlen_triton  # noqa: E402
-from helpers.kernels.varlen_backward import flash_attention_varlen  # noqa: E402
+from helpers.kernels.varlen_backward import flash_attention_varlen, flash_attn_varlen_bwd_triton  # noqa: E402
 
 D = 64 if ON_GPU else 16
 F32 = DTYPES[0]  # fp32 under the interpreter, fp16 on a GPU
@@ -266,7 +266,7 @@ def _packed(lens_q, lens_k, H, Hkv, seed, d=D):
 
 
 @pytest.mark.parametrize("window, causal, softcap, alibi", [((5, 0), False, 5.0, False), ((3, 17), False, 0.0, True),
-                                                            ((4, -1), True, 50.0, False)])
+                                                            ((4, -1), True, 50.0, False), ((6, 2), True, 5.0, True)])
 def test_varlen_forward_and_backward(window, causal, softcap, alibi):
     """Three sequences, one of length 1, q and k lengths differing both ways (bottom-right per sequence)."""
     lens_q, lens_k, H, Hkv = [37, 1, 20], [30, 3, 24], 4, 2
@@ -342,5 +342,6 @@ def test_bad_arguments_elsewhere():
         flash_attn_varlen_triton(qp, kp, vp, cu_q, cu_k, 7, 7, alibi_slopes=torch.rand(3, 4).to(DEVICE))
     with pytest.raises(ValueError, match=r"softcap must be a finite number"):
         flash_attention_varlen(qp, kp, vp, cu_q, cu_k, 7, 7, softcap=-2.0)
-    with pytest.raises(ValueError, match=r"softcap and alibi_slopes together are not supported"):  # not yet packed
-        flash_attn_varlen_triton(qp, kp, vp, cu_q, cu_k, 7, 7, softcap=5.0, alibi_slopes=torch.rand(4).to(DEVICE))
+    o, lse = flash_attn_varlen_triton(qp, kp, vp, cu_q, cu_k, 7, 7, dropout_p=0.5, rng_state=(3, 1))
+    with pytest.raises(ValueError, match=r"needs the forward's rng_state"):  # the mask is the forward's, not a new one
+        flash_attn_varlen_bwd_triton(o, qp, kp, vp, o, lse, cu_q, cu_k, 7, 7, dropout_p=0.5)

@@ -168,6 +168,72 @@ def test_varlen_no_queries_or_no_keys():
     assert (o == 0).all() and torch.isneginf(lse).all()
 
 
+def test_varlen_strided_views_give_the_contiguous_result():
+    """q, k, v as views of one packed qkv [total, 3, H, d] (token stride 3 * H * d, d = 24: rows not 16-byte
+    aligned), forward and backward through flash_attention_varlen on a prepared batch: the same O and gradients as
+    on contiguous copies, bit for bit under the interpreter (the same tiles; only the addresses differ), within
+    the dtype's tolerance natively (each layout its own plan, TMA or not)."""
+    from helpers.kernels.varlen import prepare_varlen
+    from helpers.kernels.varlen_backward import flash_attention_varlen
+    lens, H, d = [7, 1, 30], 2, 24
+    g = torch.Generator().manual_seed(31)
+    qkv = torch.randn(sum(lens), 3, H, d, generator=g).to(DEVICE, DTYPES[0])
+    do = torch.randn(sum(lens), H, d, generator=g).to(DEVICE, DTYPES[0])
+    batch = prepare_varlen(_cu(lens))
+    results = []
+    for views in (True, False):
+        x = qkv.clone().requires_grad_()
+        q, k, v = x.unbind(1) if views else (t.contiguous() for t in x.unbind(1))
+        o = flash_attention_varlen(q, k, v, batch, causal=True, window_size=(9, -1))
+        results.append((o, *torch.autograd.grad(o, x, do)))
+    if ON_GPU:
+        assert all(torch.allclose(a.float(), b.float(), atol=TOL[DTYPES[0]]) for a, b in zip(*results))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def _pages(k, lens_k, page, seed):
+    """The packed keys k [total_k, Hkv, d] as shuffled pages [num_pages, page, Hkv, d] (the rows past a sequence's
+    end and a spare page NaN) and the int32 table [B, max_pages] that names sequence b's pages."""
+    counts = [-(-n // page) for n in lens_k]
+    order = torch.randperm(sum(counts) + 1, generator=torch.Generator().manual_seed(seed)).tolist()
+    pages = torch.full((sum(counts) + 1, page, *k.shape[1:]), float("nan"), dtype=k.dtype, device=k.device)
+    table = torch.zeros(len(lens_k), max(max(counts), 1), dtype=torch.int32)
+    start, used = 0, 0
+    for b, n in enumerate(lens_k):
+        for j in range(counts[b]):
+            rows = k[start + j * page:start + min((j + 1) * page, n)]
+            pages[order[used], :rows.shape[0]] = rows
+            table[b, j] = order[used]
+            used += 1
+        start += n
+    return pages, table.to(k.device)
+
+
+def test_varlen_paged_kv_is_the_packed_result(page=5):
+    """block_table (the library's paged varlen forward): K/V in shuffled pages of 5 rows (a page boundary inside
+    every tile), NaN in every row no table names, gives the packed call's O and lse (to rounding: the paged loop
+    masks every tile), on a prepared batch and with validate=False; lengths 0 and 1 and n != nk; a table too short
+    for a sequence is refused."""
+    from helpers.kernels.varlen import prepare_varlen
+    lens_q, lens_k = [5, 0, 1, 33, 12], [9, 3, 0, 40, 4]
+    q, k, v = _packed(lens_q, lens_k, 4, 2, 16, DTYPES[0], seed=21)
+    kp, table = _pages(k, lens_k, page, seed=1)
+    vp, _ = _pages(v, lens_k, page, seed=1)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    o, lse = flash_attn_varlen_triton(q, k, v, cu_q, cu_k, 33, 40, causal=True, window_size=(6, -1))
+    batch = prepare_varlen(cu_q, cu_k)
+    for layout, kw in ((batch, {}), (cu_q, dict(cu_seqlens_k=cu_k, max_seqlen_q=33, max_seqlen_k=40, validate=False))):
+        o2, lse2 = flash_attn_varlen_triton(q, kp, vp, layout, causal=True, window_size=(6, -1), block_table=table,
+                                            **kw)
+        tol = TOL[DTYPES[0]] if ON_GPU else 1e-6  # natively the paged key class may time other tiles
+        assert torch.allclose(o2.float(), o.float(), atol=tol) and torch.allclose(lse2, lse, atol=tol)
+    with pytest.raises(ValueError, match="block_table's"):
+        flash_attn_varlen_triton(q, kp, vp, batch, block_table=table[:, :7])
+    with pytest.raises(ValueError, match="a row per sequence"):
+        flash_attn_varlen_triton(q, kp, vp, batch, block_table=table[:2])
+
+
 # ---------------------------------------------------------------------------- the map
 
 

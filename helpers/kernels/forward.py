@@ -71,12 +71,29 @@ def _attn_fwd_inner(
     SCORE_MOD: tl.constexpr,  # bits: 1 softcap, 2 ALiBi (3: both)
     DROPOUT: tl.constexpr,  # the library's dropout on P: l_i sums the undropped p, acc the kept ones
     p_drop, seed, drop_off, bh,  # its probability, Philox key and counter offset, the query head (b * H + h)
+    # paged K/V, last and off by default (the packed forward's block_table): key j is row j % page of page
+    # BT[j // page]; k_ptrs, v_ptrs then point at column 0 of the KV head in page 0, stride_kn, stride_vn are the
+    # row strides within a page, stride_kp, stride_vp the page strides (a lookup of BLOCK_N table entries per tile)
+    PAGED: tl.constexpr = False, BT=None, page=1, stride_kp=0, stride_vp=0,
 ):
     d_ok = tl.arange(0, BLOCK_D) < HEAD_DIM  # [BLOCK_D] the real columns (zeros are loaded past d)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         # -- load one tile of keys and values --------------------------------
-        if USE_TMA:
+        if PAGED:
+            keys = start_n + offs_n  # [BLOCK_N]
+            pg = tl.load(BT + keys // page, mask=keys < Nk, other=0).to(tl.int64)  # [BLOCK_N] each key's page
+            r = (keys % page).to(tl.int64)  # [BLOCK_N] its row in the page
+            kp = k_ptrs + (pg * stride_kp + r * stride_kn)[:, None]  # [BLOCK_N, D]
+            vp = v_ptrs + (pg * stride_vp + r * stride_vn)[:, None]  # [BLOCK_N, D]
+            if MASKED:
+                in_range = (keys[:, None] < Nk) & d_ok[None, :]  # [BLOCK_N, D]
+                k = tl.load(kp, mask=in_range, other=0.0)  # [BLOCK_N, D]
+                v = tl.load(vp, mask=in_range, other=0.0)  # [BLOCK_N, D]
+            else:
+                k = _load_d(kp, d_ok, BLOCK_D != HEAD_DIM)  # [BLOCK_N, D]
+                v = _load_d(vp, d_ok, BLOCK_D != HEAD_DIM)  # [BLOCK_N, D]
+        elif USE_TMA:
             k = desc_k.load([kv_row0 + start_n, kv_col0])  # [BLOCK_N, D]
             v = desc_v.load([kv_row0 + start_n, kv_col0])  # [BLOCK_N, D]
             if MASKED:  # rows past Nk belong to the next head or sequence: their scores are masked, and

@@ -25,22 +25,21 @@ varlen kernels through their public functions (``prepare_varlen``, ``flash_attn_
 ``flash_attn_varlen_bwd_triton``): one ``VarlenBatch`` per batch, kept while the same cu_seqlens tensors come back
 unchanged (every layer of a step), so cu_seqlens is copied to the host once per batch. ``flash_attn_with_kvcache``
 runs ``kvcache.flash_attn_with_kvcache_triton``. Each option the kernels have is passed through: causal
-(bottom-right, as the library), window_size, softcap and ALiBi (together in the dense kernels), dropout (dense:
-Philox, reproducible under ``torch.manual_seed``, the backward regenerating the forward's mask), any head dim from
-1 to 256, GQA/MQA, N != Nk. ``deterministic``: the course's backward is deterministic already (no atomics for dQ
-by default); True pins it.
+(bottom-right, as the library), window_size, softcap and ALiBi (together too), dropout (Philox, reproducible under
+``torch.manual_seed``, the backward regenerating the forward's mask; packed, sequence b's mask is the dense mask of
+batch entry b), any head dim from 1 to 256, GQA/MQA, N != Nk; in ``flash_attn_varlen_func``, ``block_table``
+(paged K/V, forward only as the library's: the output carries no gradient). ``deterministic``: the course's
+backward is deterministic already (no atomics for dQ by default); True pins it.
 
-What is refused, with a message that says so (``NotImplementedError``): dropout, softcap with ALiBi, and
-``block_table`` (paged K/V) in the varlen forms; in ``flash_attn_with_kvcache``, ``cache_leftpad``,
-``return_softmax_lse`` and ``cache_batch_idx`` over a contiguous cache whose length is not a multiple of 16.
-Where the varlen kernels still need it, the varlen forms copy: a head dim that is not a multiple of 8 is padded
-with zeros (as the library itself does before its kernels), and the packed kv and qkv views are made contiguous.
+What is refused, with a message that says so (``NotImplementedError``): in ``flash_attn_with_kvcache``,
+``cache_leftpad``, ``return_softmax_lse`` and ``cache_batch_idx`` over a contiguous cache whose length is not a
+multiple of 16. Nothing is copied: the varlen forms hand the kernels their q, k, v (the packed kv[:, 0], qkv[:, 1]
+views too) with their strides, and autograd gathers the packed forms' gradients.
 
 Written for this course.
 """
 
 import torch
-import torch.nn.functional as F
 
 from .backward import DEFAULT_DQ_MODE, _check_bwd_inputs, _flash_bwd
 from .common import _check_qkv
@@ -279,61 +278,111 @@ def _batch_for(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device):
     return batch
 
 
-def _varlen_refusals(dropout_p, softcap, alibi_slopes, block_table):
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged K/V) in flash_attn_varlen_func: the course's varlen forward "
-                                  "reads packed k, v only (flash_attn_with_kvcache takes a paged cache)")
-    if not isinstance(dropout_p, bool) and isinstance(dropout_p, (int, float)) and dropout_p > 0:
-        raise NotImplementedError("dropout_p > 0 in the varlen forms: the course's varlen kernels have no dropout "
-                                  "yet (the dense flash_attn_func has it)")
-    if alibi_slopes is not None and not isinstance(softcap, bool) and isinstance(softcap, (int, float)) and softcap > 0:
-        raise NotImplementedError("softcap and alibi_slopes together in the varlen forms: the course's varlen kernels "
-                                  "take one of them (the dense flash_attn_func takes both)")
-
-
-def _pad8(x):
-    """x padded with zeros along d to a multiple of 8 (the varlen kernels' head dims), as the library pads its own."""
-    d = x.shape[-1]
-    return x if d % 8 == 0 else F.pad(x, [0, 8 - d % 8])
+def _varlen_attn_probs(q, k, lse, batch, mods, scale, dropout):
+    """The varlen forms' S_dmask, for tests: [B, H, max_seqlen_q, max_seqlen_k] in q's dtype, sequence b's
+    probabilities (normalised by the kernel's lse) in its top-left [len_q, len_k] corner, each dropped entry negated,
+    zeros elsewhere (the library pads its own to rounded lengths). The mask is the kernels': sequence b's is the dense
+    mask of batch entry b (``dropout_keep_mask`` with B = num_seqs)."""
+    B, H, G = batch.num_seqs, q.shape[1], q.shape[1] // k.shape[1]
+    Mq, Mk = batch.max_seqlen_q, batch.max_seqlen_k
+    cu_q, cu_k = (c.tolist() for c in batch._cu_host)  # host values: nothing read back
+    kept = dropout_keep_mask(B, H, Mq, Mk, dropout.p, (dropout.seed, dropout.offset), q.device)
+    probs = torch.zeros((B, H, Mq, Mk), device=q.device, dtype=torch.float32)
+    for b in range(B):
+        n, nk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if n == 0 or nk == 0:
+            continue
+        qb = q[cu_q[b]:cu_q[b + 1]].float().transpose(0, 1)  # [H, n, d]
+        kb = k[cu_k[b]:cu_k[b + 1]].float().repeat_interleave(G, 1).transpose(0, 1)  # [H, nk, d]
+        s = qb @ kb.transpose(-1, -2) * scale  # [H, n, nk]
+        i = torch.arange(n, device=q.device)[:, None]
+        j = torch.arange(nk, device=q.device)[None, :]
+        diag0 = nk - n
+        if mods.score_mod & 1:
+            s = mods.cap * torch.tanh(s / mods.cap)
+        if mods.score_mod & 2:
+            slope = mods.slopes[b] if mods.slopes.dim() == 2 else mods.slopes  # [H]
+            s = s - slope[:, None, None] * (i + diag0 - j).abs()
+        seen = torch.ones(n, nk, dtype=torch.bool, device=q.device)
+        if mods.right >= 0:
+            seen &= j <= i + diag0 + mods.right
+        if mods.left >= 0:
+            seen &= j >= i + diag0 - mods.left
+        p = torch.exp(s - lse[:, cu_q[b]:cu_q[b + 1], None]).masked_fill(~seen, 0.0).nan_to_num(0.0)
+        probs[b, :, :n, :nk] = p
+    return torch.where(kept, probs, -probs).to(q.dtype)
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, batch, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
+    def forward(ctx, q, k, v, batch, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                return_softmax):
         d = q.shape[-1]
         scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-        mods = dict(causal=causal, sm_scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-        qp, kp, vp = (_pad8(x.contiguous()) for x in (q, k, v))  # copies only where the varlen kernels need them
-        o, lse = flash_attn_varlen_triton(qp, kp, vp, batch, **mods)  # [total_q, H, d padded to 8]
-        out = o[..., :d].contiguous() if o.shape[-1] != d else o
-        ctx.save_for_backward(qp, kp, vp, o, lse)
-        ctx.args = (batch, mods, d)
+        dropout = _check_dropout_args(dropout_p, None)  # a fresh (seed, offset) from torch's generator
+        mods = dict(causal=causal, sm_scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                    dropout_p=dropout.p, rng_state=(dropout.seed, dropout.offset))
+        o, lse = flash_attn_varlen_triton(q, k, v, batch, **mods)  # [total_q, H, d], [H, total_q]; q, k, v in place
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (batch, mods)
         if not return_softmax:
-            return out
+            return o
         ctx.mark_non_differentiable(lse)
-        return out, lse, None
+        probs = None
+        if dropout.p > 0:
+            checked = _check_mods(causal, window_size, softcap, alibi_slopes, q.shape[1], batch.num_seqs, q.device,
+                                  "num_seqs", both=True)
+            probs = _varlen_attn_probs(q, k, lse, batch, checked, scale, dropout)
+        return o, lse, probs
 
     @staticmethod
     def backward(ctx, dout, *args):
-        qp, kp, vp, o, lse = ctx.saved_tensors
-        batch, mods, d = ctx.args
-        dq, dk, dv = flash_attn_varlen_bwd_triton(_pad8(dout.contiguous()), qp, kp, vp, o, lse, batch, **mods)
-        dq, dk, dv = (g[..., :d] for g in (dq, dk, dv))
-        return dq, dk, dv, None, None, None, None, None, None, None
+        q, k, v, o, lse = ctx.saved_tensors
+        batch, mods = ctx.args
+        dq, dk, dv = flash_attn_varlen_bwd_triton(dout, q, k, v, o, lse, batch, **mods)  # q, k, v in place
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _varlen_paged(q, k, v, batch, block_table, dropout_p, softmax_scale, causal, window_size, softcap,
+                  alibi_slopes, return_softmax):
+    """flash_attn_varlen_func with block_table: k, v pages [num_blocks, page_block_size, Hkv, d], sequence b's key
+    j in page block_table[b, j // page_block_size]. Forward only, as the library's (its paged varlen has no
+    backward): the output carries no gradient."""
+    d = q.shape[-1]
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    dropout = _check_dropout_args(dropout_p, None)
+    with torch.no_grad():
+        qc = q.detach()
+        o, lse = flash_attn_varlen_triton(qc, k.detach(), v.detach(), batch, causal=causal, sm_scale=scale,
+                                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                          dropout_p=dropout.p, rng_state=(dropout.seed, dropout.offset),
+                                          block_table=block_table)
+        if not return_softmax:
+            return o
+        probs = None
+        if dropout.p > 0:  # for tests: the pages gathered into packed keys (one host copy of the table)
+            table = block_table.tolist()
+            lens = batch.lengths_k.tolist()
+            kp = torch.cat([k[table[b]].flatten(0, 1)[:n] for b, n in enumerate(lens)])  # [total_k, Hkv, d]
+            checked = _check_mods(causal, window_size, softcap, alibi_slopes, q.shape[1], batch.num_seqs, q.device,
+                                  "num_seqs", both=True)
+            probs = _varlen_attn_probs(qc, kp, lse, batch, checked, scale, dropout)
+        return o, lse, probs
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table):
     """The varlen forms' common path: the refusals, the inputs' checks, the batch, the autograd Function (the
     packed forms pass their kv or qkv views; autograd gathers the gradients into the packed tensor)."""
-    _varlen_refusals(dropout_p, softcap, alibi_slopes, block_table)
-    _check_dropout_args(dropout_p, None, draw=False)  # its type and range (only 0.0 runs)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    _check_qkv(q, k, v, (3, 3, 3), strided=True)
+    _check_qkv(q, k, v, (3, 4, 4) if block_table is not None else (3, 3, 3), strided=True)
     batch = _batch_for(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
-    return _FlashAttnVarlenFunc.apply(q, k, v, batch, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                      return_attn_probs)
+    if block_table is not None:
+        return _varlen_paged(q, k, v, batch, block_table, dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, return_attn_probs)
+    return _FlashAttnVarlenFunc.apply(q, k, v, batch, dropout_p, softmax_scale, causal, window_size, softcap,
+                                      alibi_slopes, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -400,9 +449,12 @@ def flash_attn_varlen_func(
     """The library's ``flash_attn_varlen_func``: q [total_q, H, d], k, v [total_k, Hkv, d], cu_seqlens_q and
     cu_seqlens_k int32 [B + 1] (0, then the cumulative lengths), max_seqlen_q, max_seqlen_k the longest lengths ->
     out [total_q, H, d] (differentiable). causal, window_size and ALiBi ([H] or [B, H]) bottom-right per sequence;
-    softcap; return_attn_probs adds the lse [H, total_q] (and None). A ``VarlenBatch`` (``prepare_varlen``) may
-    stand in place of cu_seqlens_q, with None for the next three. Refused (NotImplementedError): dropout_p > 0,
-    softcap with alibi_slopes, block_table.
+    softcap (with ALiBi too); dropout_p as in ``flash_attn_func`` (sequence b's mask the dense one of batch entry
+    b); any d from 1 to 256. return_attn_probs adds the lse [H, total_q] and S_dmask (None without dropout; else
+    [B, H, max_seqlen_q, max_seqlen_k], sequence b's P in its top-left corner, dropped entries negated).
+    block_table int32 [B, max_blocks]: k, v are pages [num_blocks, page_block_size, Hkv, d] (any page size here),
+    sequence b's key j in page block_table[b, j // page_block_size]; forward only, as the library's. A
+    ``VarlenBatch`` (``prepare_varlen``) may stand in place of cu_seqlens_q, with None for the next three.
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                    causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)

@@ -12,14 +12,21 @@ inside each document. Public:
   size, cached): every layer's forward and backward of a step reuse them, read nothing back from the GPU and
   can be captured in a CUDA graph. The library checks nothing either: it leaves validation to the caller.
 * ``flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-  sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> (O, lse)``: q ``[total_q, H, d]``,
-  k, v ``[total_k, Hkv, d]``; ``cu_seqlens_q`` may be a ``VarlenBatch`` (then the next three are left out).
+  sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+  block_table=None) -> (O, lse)``: q ``[total_q, H, d]``, k, v ``[total_k, Hkv, d]`` (or pages
+  ``[num_pages, page, Hkv, d]`` with ``block_table``); ``cu_seqlens_q`` may be a ``VarlenBatch`` (then the next
+  three are left out).
   Each program finds its sequence's rows and keys, then runs the dense forward's block body
   (``_attn_fwd_rows`` and its inner loop ``_attn_fwd_inner`` from helpers/kernels/forward.py: one source) with
   that sequence's lengths, so every document gets the dense kernel's tile classes: key tiles no row of the block
   sees are never visited, tiles every row sees in full run without a mask, the diagonal band and the ragged
   tail with one. Causal is bottom-right per sequence, as in the library; so are the sliding window and ALiBi
-  (slopes [H] or [num_seqs, H]); softcap as in the dense forward.
+  (slopes [H] or [num_seqs, H]); softcap (with ALiBi too: the cap first), dropout and any head dim from 1 to 256
+  as in the dense forward. Dropout's Philox counters name (sequence * H + head, row and key within the
+  sequence), so sequence b's mask is the dense mask of batch entry b (``forward.dropout_keep_mask`` with
+  B = num_seqs): reproducible, and the same whatever else is packed beside it. Paged K/V (the library's
+  ``block_table``, forward only as there): key j of sequence b is row j % page of page block_table[b, j // page],
+  looked up per key of each tile (any page size), in one masked loop over the keys the block sees.
 * ``varlen_block_map(cu_seqlens_q, BLOCK_M) -> (seq_idx, q_start)`` and ``varlen_block_m(d)``: lesson 10's
   program map, built on the device with torch ops from the device's cu_seqlens (no host sync, an upper bound
   of programs, the spares marked -1), for a caller that has no batch.
@@ -52,9 +59,9 @@ import triton
 import triton.language as tl
 
 from ..triton_mode import interpreting
-from .common import (LOG2E, SHAPES, TensorDescriptor, _check_head_dim, _check_qkv, _device_limits, fitting_configs,
+from .common import (LN2, LOG2E, SHAPES, TensorDescriptor, _check_head_dim, _check_qkv, _device_limits, fitting_configs,
                      head_block, smem_estimate, tile_configs)
-from .forward import _attn_fwd_rows, _check_mods, _check_use_tma, _use_tma_default
+from .forward import _attn_fwd_inner, _attn_fwd_rows, _check_dropout_args, _check_mods, _check_use_tma, _use_tma_default
 
 __all__ = ["flash_attn_varlen_triton", "varlen_block_map", "varlen_block_m", "prepare_varlen", "VarlenBatch"]
 
@@ -330,7 +337,7 @@ def varlen_block_map(cu_seqlens_q, BLOCK_M, total_q=None):
 # ----------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["total_q"])  # one compile for every batch size
+@triton.jit(do_not_specialize=["total_q", "seed", "drop_off"])  # one compile for every batch size and mask
 def _attn_fwd_varlen(
     Q, K, V, O, LSE,
     desc_k, desc_v,  # TMA path: descriptors over K, V viewed as [total_k, Hkv * D]
@@ -346,7 +353,16 @@ def _attn_fwd_varlen(
     CAUSAL: tl.constexpr,  # an upper bound: j <= i + Nk - N + right (causal: right = 0)
     USE_TMA: tl.constexpr,
     WINDOW: tl.constexpr,  # a lower bound: j >= i + Nk - N - left
-    SCORE_MOD: tl.constexpr,  # 0 none, 1 softcap, 2 ALiBi
+    SCORE_MOD: tl.constexpr,  # bits: 1 softcap, 2 ALiBi (3: both, the cap first)
+    # dropout, last and off by default: its probability, the Philox key and counter offset. The mask's counters
+    # name (sequence * H + head, row and key within the sequence): sequence b's mask is the dense mask of batch
+    # entry b (forward.dropout_keep_mask with B = num_seqs), whatever the packing around it
+    p_drop=0.0, seed=0, drop_off=0,
+    DROPOUT: tl.constexpr = False,
+    # paged K/V (the library's block_table, forward only): K, V [num_pages, page, Hkv, D]; key j of sequence b is
+    # row j % page of page BT[b * stride_bt + j // page]; stride_kt, stride_vt the row strides within a page
+    BT=None, stride_bt=0, page=1, stride_kp=0, stride_vp=0,
+    PAGED: tl.constexpr = False,
 ):
     # grid = (P * H,): program pid owns entry pid // H of the map for query head pid % H (the heads fastest)
     pid = tl.program_id(0)
@@ -367,7 +383,7 @@ def _attn_fwd_varlen(
     diag = diag + right
     start_m = (tl.load(Q_START + entry) - q_beg) // BLOCK_M  # block index within the sequence
     slope = 0.0
-    if SCORE_MOD == 2:
+    if SCORE_MOD & 2:
         slope = tl.load(SLOPES + seq * stride_sb + off_h)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows, counted from the sequence's first
@@ -387,13 +403,65 @@ def _attn_fwd_varlen(
     # TMA: this sequence's keys of KV head off_hkv start at row k_beg, column off_hkv * D. A masked tile
     # may run into the next sequence's rows: their scores are masked to -inf and their values zeroed, so
     # nothing of another request (not even a NaN) reaches this one.
-    acc, lse = _attn_fwd_rows(
-        q, k_ptrs, v_ptrs, stride_kt, stride_vt, desc_k, desc_v, k_beg, off_hkv * HEAD_DIM,
-        start_m, offs_m, offs_n, qk_scale, Nk, diag, diag_lo, sm_scale, cap, slope, alibi_diag,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA, WINDOW, SCORE_MOD,
-    )
+    if PAGED:  # column 0 of KV head off_hkv in page 0; the inner loop adds each key's page and row
+        zero_n = offs_n[:, None] * 0  # [BLOCK_N, 1]
+        k_head = K + off_hkv.to(tl.int64) * stride_kh + zero_n + offs_d[None, :]  # [BLOCK_N, D]
+        v_head = V + off_hkv.to(tl.int64) * stride_vh + zero_n + offs_d[None, :]  # [BLOCK_N, D]
+        acc, lse = _attn_fwd_rows_paged(
+            q, k_head, v_head, stride_kt, stride_vt, BT + seq.to(tl.int64) * stride_bt, page, stride_kp, stride_vp,
+            start_m, offs_m, offs_n, qk_scale, Nk, diag, diag_lo, sm_scale, cap, slope, alibi_diag,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SCORE_MOD,
+            DROPOUT, p_drop, seed, drop_off, seq * H + off_h,
+        )
+    else:
+        acc, lse = _attn_fwd_rows(
+            q, k_ptrs, v_ptrs, stride_kt, stride_vt, desc_k, desc_v, k_beg, off_hkv * HEAD_DIM,
+            start_m, offs_m, offs_n, qk_scale, Nk, diag, diag_lo, sm_scale, cap, slope, alibi_diag,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA, WINDOW, SCORE_MOD,
+            DROPOUT, p_drop, seed, drop_off, seq * H + off_h,
+        )
     tl.store(LSE + off_h.to(tl.int64) * total_q + q_beg + offs_m, lse, mask=row_ok)
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty), mask=io_ok)
+
+
+@triton.jit
+def _attn_fwd_rows_paged(
+    q, k_head, v_head, stride_kt, stride_vt, BT, page, stride_kp, stride_vp,  # BT: this sequence's row of the table
+    start_m, offs_m, offs_n, qk_scale, Nk, diag, diag_lo, sm_scale, cap, slope, alibi_diag,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SCORE_MOD: tl.constexpr,
+    DROPOUT: tl.constexpr, p_drop, seed, drop_off, bh,
+):
+    """``forward._attn_fwd_rows`` over paged keys: the same key range (keys no row of the block sees are never
+    visited), one masked loop over it (the dense block body takes no page table), the same epilogue."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        hi = tl.minimum(tl.maximum(start_m * BLOCK_M + BLOCK_M + diag, 0), Nk)  # past the last row's last key
+    else:
+        hi = Nk
+    lo = 0
+    if WINDOW:
+        lo = (tl.minimum(tl.maximum(start_m * BLOCK_M + diag_lo, 0), Nk) // BLOCK_N) * BLOCK_N  # the first row's
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kt, stride_vt, None, None, 0, 0,
+        lo, hi, offs_m, offs_n, qk_scale, Nk, diag, diag_lo, sm_scale, cap, slope, alibi_diag,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, False, WINDOW, SCORE_MOD, DROPOUT, p_drop, seed, drop_off, bh,
+        True, BT, page, stride_kp, stride_vp,
+    )
+    empty = l_i == 0.0  # [BLOCK_M] a row that saw no key: O = 0, lse = -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    if DROPOUT:
+        l_safe = l_safe * (1.0 - p_drop)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    return acc, lse
 
 
 # ----------------------------------------------------------------------------
@@ -516,9 +584,10 @@ def tuned_launch(key, configs, launch, device):
 
 
 def _check_packed(q, k, v):
-    """q [total_q, H, d], k and v [total_k, Hkv, d] (H a multiple of Hkv, d a head dim the kernels take):
-    returns (total_q, H, d, total_k, Hkv)."""
-    _check_qkv(q, k, v, (3, 3, 3))
+    """q [total_q, H, d], k and v [total_k, Hkv, d] (H a multiple of Hkv, d a head dim the kernels take; any
+    strides with a unit stride along d: the library's packed kv[:, 0] and qkv[:, 1] are read in place): returns
+    (total_q, H, d, total_k, Hkv)."""
+    _check_qkv(q, k, v, (3, 3, 3), strided=True)
     total_q, H, d = q.shape
     total_k, Hkv, dk = k.shape
     if dk != d:
@@ -527,8 +596,42 @@ def _check_packed(q, k, v):
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if H == 0 or Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads")
-    _check_head_dim(d)
+    _check_head_dim(d, any_d=True)
     return total_q, H, d, total_k, Hkv
+
+
+def _check_paged(q, k, v, block_table, layout):
+    """q [total_q, H, d]; k and v pages [num_pages, page, Hkv, d]; block_table int32 [B, max_pages] on q's device,
+    long enough for every sequence's keys (checked on a batch's host lengths; with validate=False, as the library,
+    not at all). Returns (total_q, H, d, Hkv, page)."""
+    _check_qkv(q, k, v, (3, 4, 4), strided=True)
+    total_q, H, d = q.shape
+    num_pages, page, Hkv, dk = k.shape
+    if dk != d:
+        raise ValueError(f"k must be pages [num_pages, page_block_size, Hkv, d] = [.., .., Hkv, {d}], got "
+                         f"{tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if H == 0 or Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads")
+    if page < 1 or num_pages < 1:
+        raise ValueError(f"k must hold at least one page of at least one row, got {tuple(k.shape)}")
+    _check_head_dim(d, any_d=True)
+    if (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32
+            or block_table.device != q.device):
+        raise ValueError(f"block_table must be an int32 tensor [B, max_pages] on {q.device}, got "
+                         f"{getattr(block_table, 'shape', type(block_table).__name__)}")
+    if block_table.shape[0] != layout.num_seqs:
+        raise ValueError(f"block_table must have a row per sequence: [{layout.num_seqs}, max_pages], got "
+                         f"{tuple(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table must have a unit stride along its pages")
+    lengths = getattr(layout, "lengths_k", None)
+    if lengths is not None and lengths.numel() and int(lengths.max()) > block_table.shape[1] * page:
+        b = int(lengths.argmax())
+        raise ValueError(f"sequence {b} has {int(lengths[b])} keys; block_table's {block_table.shape[1]} pages of "
+                         f"{page} hold {block_table.shape[1] * page}")
+    return total_q, H, d, Hkv, page
 
 
 def _check_cu_tensor(name, cu, device):
@@ -549,7 +652,7 @@ def _check_totals(layout, total_q, total_k):
     if layout.total_q != total_q:
         raise ValueError(f"cu_seqlens_q[-1] = {layout.total_q} must equal total_q (q.shape[0]) = {total_q} "
                          f"(the packed rows)")
-    if layout.total_k != total_k:
+    if total_k is not None and layout.total_k != total_k:  # None: paged K/V, whose rows are the table's
         raise ValueError(f"cu_seqlens_k[-1] = {layout.total_k} must equal total_k (k.shape[0]) = {total_k} "
                          f"(the packed rows)")
 
@@ -588,29 +691,33 @@ def _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return layout
 
 
-def _call_key(q, k, v, causal, sm_scale, window_size, softcap):
+def _call_key(q, k, v, causal, sm_scale, window_size, softcap, dropout_p=0.0):
     """What a call's launch plan depends on besides the batch (shapes, strides, dtypes, devices, the options): a
-    call with the same key runs the plan built, and checked, for the first one."""
+    call with the same key runs the plan built, and checked, for the first one. (Dropout's probability is part of
+    it; its seed and offset, new every call, are the launch's arguments.)"""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            k.device, v.device, causal.__class__, causal, sm_scale, window_size, softcap)
+            k.device, v.device, causal.__class__, causal, sm_scale, window_size, softcap, dropout_p.__class__,
+            dropout_p)
 
 
-def _plan_for(batch, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes):
+def _plan_for(batch, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes, dropout_p=0.0):
     """The forward's launch plan of this call on a ``VarlenBatch``: the one the batch keeps for the call's key
     (every layer of a step after the first), else checked and built here (kept unless ALiBi slopes, a tensor that
     may change between calls, are given)."""
     if alibi_slopes is None:
         try:
-            return batch._plans[_call_key(q, k, v, causal, sm_scale, window_size, softcap)]
+            return batch._plans[_call_key(q, k, v, causal, sm_scale, window_size, softcap, dropout_p)]
         except (KeyError, TypeError, AttributeError):  # not built yet; or not a tensor, not hashable: checked below
             pass
     total_q, H, d, total_k, Hkv = _check_packed(q, k, v)
     _layout(q, total_q, total_k, batch, None, None, None, False)  # the batch fits q, k, v
-    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, batch.num_seqs, q.device, "num_seqs")
-    plan = _FwdPlan(q, k, v, batch, mods, sm_scale)
+    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, batch.num_seqs, q.device, "num_seqs",
+                       both=True)
+    p_drop = _check_dropout_args(dropout_p, (0, 0)).p
+    plan = _FwdPlan(q, k, v, batch, mods, sm_scale, p_drop=p_drop)
     if alibi_slopes is None:
         try:
-            batch._plans[_call_key(q, k, v, causal, sm_scale, window_size, softcap)] = plan
+            batch._plans[_call_key(q, k, v, causal, sm_scale, window_size, softcap, dropout_p)] = plan
             plan._layout = weakref.ref(batch)  # the batch keeps the plan: no cycle back
         except TypeError:  # window_size as a list: checked, but not kept
             pass
@@ -637,10 +744,13 @@ class _FwdPlan(_LayoutRef):
     launches. ``mods``, ``sm_scale`` and ``layout`` stay for the backward (``varlen_backward``), which keeps its
     own plan in ``bwd``."""
 
-    def __init__(self, q, k, v, layout, mods, sm_scale, block_map=None, use_tma=None, config=None):
+    def __init__(self, q, k, v, layout, mods, sm_scale, block_map=None, use_tma=None, config=None, p_drop=0.0,
+                 block_table=None):
         total_q, H, d = q.shape
-        total_k, Hkv = k.shape[0], k.shape[1]
+        paged = block_table is not None  # k, v [num_pages, page, Hkv, d]
+        total_k, Hkv = (layout.total_k, k.shape[2]) if paged else (k.shape[0], k.shape[1])
         self._layout, self.mods, self.sm_scale, self.bwd = layout, mods, sm_scale, None
+        self.p_drop = p_drop  # dropout's probability (0.0: off); the seed and offset come with each run
         self.H, self.d, self.lse_shape = H, d, (H, total_q)
         self.empty = total_q == 0 or total_k == 0
         if self.empty:
@@ -658,19 +768,38 @@ class _FwdPlan(_LayoutRef):
                 raise ValueError(f"block_map must be varlen_block_map(cu_seqlens_q, {block_m}, {total_q}): two "
                                  f"int32 tensors of shape ({P},) on {q.device}")
             self.block_map, self.block_m = tuple(t.contiguous() for t in block_map), block_m
+        if paged and use_tma:
+            raise ValueError("use_tma=True with block_table: paged K/V takes the pointer path (a page lookup per "
+                             "key tile): leave use_tma=None")
+        # TMA's descriptors view K and V as [total_k, Hkv * d] with the token stride as the row stride: the heads
+        # of a token side by side (head stride d), rows 16-byte aligned (contiguous k, and the library's kv[:, 0])
+        elt = k.element_size()
+        tma_view = (not paged and k.stride() == v.stride() and k.stride(1) == d and (k.stride(0) * elt) % 16 == 0
+                    and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
+        if use_tma and not tma_view:
+            raise ValueError(f"use_tma=True needs k and v with the heads of a token side by side (head stride d) and "
+                             f"16-byte aligned rows; these have strides {k.stride()}, {v.stride()}: leave "
+                             f"use_tma=None")
         if use_tma is None:
-            use_tma = _use_tma_default(q)
+            use_tma = _use_tma_default(q) and tma_view
         _check_use_tma(use_tma, q)
         self.use_tma = bool(use_tma)
         self.kv_2d = [total_k, Hkv * d]  # K and V viewed as [total_k, Hkv * d] for their descriptors
-        self.kv_strides = [Hkv * d, 1]
-        # o = empty_like(q): q's strides
-        self.tail = (layout.cu_seqlens_q, layout.cu_seqlens_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                     v.stride(0), v.stride(1), q.stride(0), q.stride(1), total_q, H, Hkv, qk_scale, mods.slopes,
+        self.kv_strides = [k.stride(0), 1]
+        # O: a new contiguous [total_q, H, d] (q may be a view of a packed qkv); K, V: their own strides; paged:
+        # the strides within a page (row, head), the page's after
+        ks, vs = (k.stride()[1:], v.stride()[1:]) if paged else (k.stride(), v.stride())
+        self.tail = (layout.cu_seqlens_q, layout.cu_seqlens_k, q.stride(0), q.stride(1), ks[0], ks[1],
+                     vs[0], vs[1], H * d, d, total_q, H, Hkv, qk_scale, mods.slopes,
                      mods.stride_sb, max(mods.left, 0), max(mods.right, 0), float(sm_scale), mods.cap)
         self.meta = dict(HEAD_DIM=d, BLOCK_D=head_block(d), USE_TMA=self.use_tma, **mods.meta())
+        if p_drop > 0:
+            self.meta.update(DROPOUT=True, p_drop=p_drop)
+        if paged:
+            self.meta.update(PAGED=True, BT=block_table, stride_bt=block_table.stride(0), page=k.shape[1],
+                             stride_kp=k.stride(0), stride_vp=v.stride(0))
         self.key = ("varlen", d, q.dtype, self.use_tma, mods.right >= 0, mods.left >= 0, mods.score_mod, H // Hkv,
-                    layout.length_class, block_map is not None, q.device.index)
+                    layout.length_class, block_map is not None, q.device.index, p_drop > 0, paged)
         self.dtype, self.device = q.dtype, q.device
         self.config = dict(config) if config is not None else None
         cfg = self.config or _chosen.get(self.key)
@@ -690,26 +819,38 @@ class _FwdPlan(_LayoutRef):
         return (_attn_fwd_varlen[(grid,)] if grid else None, (seq_idx, q_start) + self.tail,
                 {**self.meta, **cfg}, [cfg["BLOCK_N"], self.d])
 
-    def _launch(self, parts, q, k, v, o, lse):
+    def _launch(self, parts, q, k, v, o, lse, rng):
         launcher, args, kwargs, block = parts
         if launcher is None:
             return
         desc_k = desc_v = None
         if self.use_tma:
-            desc_k = TensorDescriptor(k.view(self.kv_2d), self.kv_2d, self.kv_strides, block)  # [total_k, Hkv*d]
-            desc_v = TensorDescriptor(v.view(self.kv_2d), self.kv_2d, self.kv_strides, block)
-        launcher(q, k, v, o, lse, desc_k, desc_v, *args, **kwargs)
+            if (k.data_ptr() | v.data_ptr()) % 16:  # the plan was made for aligned ones: a view at another offset
+                raise ValueError("k and v must start on 16 bytes on the TMA path this call shape's plan takes "
+                                 "(pass use_tma=False, or aligned views)")
+            desc_k = TensorDescriptor(k, self.kv_2d, self.kv_strides, block)  # [total_k, Hkv * d] over k's rows
+            desc_v = TensorDescriptor(v, self.kv_2d, self.kv_strides, block)
+        if rng is None:
+            launcher(q, k, v, o, lse, desc_k, desc_v, *args, **kwargs)
+        else:
+            launcher(q, k, v, o, lse, desc_k, desc_v, *args, seed=rng[0], drop_off=rng[1], **kwargs)
 
-    def run(self, q, k, v):
-        """(O [total_q, H, d], lse [H, total_q]) of this call's q, k, v (of the plan's shapes, checked there)."""
-        o = torch.empty_like(q)  # [total_q, H, d]: every row is written (each belongs to one map entry)
+    def run(self, q, k, v, rng=None):
+        """(O [total_q, H, d], lse [H, total_q]) of this call's q, k, v (of the plan's shapes, checked there).
+        rng: dropout's (seed, offset), with a plan that has dropout (``p_drop > 0``)."""
+        if self.p_drop > 0 and rng is None:
+            raise ValueError("a varlen plan with dropout runs with its rng_state=(seed, offset)")
+        if self.p_drop == 0:
+            rng = None
+        o = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # [total_q, H, d]: every row is written (each
+        # belongs to one map entry)
         lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)  # [H, total_q]
         if self.empty:  # no rows; or no sequence has a key: every row is empty (and nothing to point K at)
             return (o, lse) if o.numel() == 0 else (o.zero_(), lse.fill_(float("-inf")))
         if self.parts is not None:
-            self._launch(self.parts, q, k, v, o, lse)
+            self._launch(self.parts, q, k, v, o, lse, rng)
             return o, lse
-        tuned_launch(self.key, self._configs, lambda cfg: self._launch(self._parts(cfg), q, k, v, o, lse),
+        tuned_launch(self.key, self._configs, lambda cfg: self._launch(self._parts(cfg), q, k, v, o, lse, rng),
                      q.device)
         cfg = _chosen.get(self.key)
         if cfg is not None:  # chosen now: the next calls launch it directly
@@ -719,11 +860,13 @@ class _FwdPlan(_LayoutRef):
 
 def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                              causal=False, sm_scale=None, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             validate=True, block_map=None, use_tma=None, config=None):
+                             dropout_p=0.0, rng_state=None, block_table=None, validate=True, block_map=None,
+                             use_tma=None, config=None):
     """Attention over packed sequences of different lengths: returns ``(O, lse)``.
 
     q: [total_q, H, d]; k, v: [total_k, Hkv, d], H a multiple of Hkv (query head h reads KV head
-    h // (H // Hkv)). The layout, either way:
+    h // (H // Hkv)); any d from 1 to 256; any strides with a unit stride along d (the library's packed qkv[:, 1]
+    and kv[:, 0] are read in place; TMA where the heads of a token sit side by side). The layout, either way:
 
     * ``flash_attn_varlen_triton(q, k, v, batch, causal=...)`` with ``batch = prepare_varlen(...)``, made once
       per batch: nothing waits for the GPU; the first call of a shape checks the inputs and builds its launch
@@ -735,23 +878,42 @@ def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqle
       the maps built again: the slow path); ``validate=False`` checks nothing and builds lesson 10's map on the
       device (no sync; wrong values give wrong results).
 
-    O: [total_q, H, d] in q's dtype; lse: [H, total_q] float32, natural log. causal: bottom-right per
+    O: [total_q, H, d] in q's dtype, contiguous; lse: [H, total_q] float32, natural log. causal: bottom-right per
     sequence, row i of a sequence with lengths (n, nk) sees key j when j <= i + nk - n (the library's
     convention); a row that sees no key (n > nk, or nk = 0) gets O = 0, lse = -inf.
 
     The library's ``flash_attn_varlen_func`` options, on the same per-sequence diagonal diag = nk - n:
     window_size=(left, right): row i sees key j when i + diag - left <= j <= i + diag + right (-1 unbounded;
     causal sets right = 0); softcap > 0: s = q.k * sm_scale becomes softcap * tanh(s / softcap); alibi_slopes:
-    float32 [H] or [num_seqs, H] on q's device, s becomes s - slope[b, h] * |i + diag - j| (not with softcap).
+    float32 [H] or [num_seqs, H] on q's device, s becomes s - slope[b, h] * |i + diag - j| (after the softcap
+    when both are given). dropout_p: P's entries dropped after the softmax, the kept ones scaled by
+    1 / (1 - dropout_p), the lse the undropped one; ``rng_state=(seed, offset)`` names the mask (None draws one
+    from torch's generator); sequence b's mask is ``dropout_keep_mask(num_seqs, H, max_n, max_nk, ...)[b, :, :n_b,
+    :nk_b]``. block_table: int32 [num_seqs, max_pages]; k, v are then pages [num_pages, page, Hkv, d] (any
+    strides with a unit stride along d), sequence b's key j row j % page of page block_table[b, j // page], its
+    length from cu_seqlens_k (forward only; no TMA).
 
     block_map: lesson 10's map, ``varlen_block_map(cu_seqlens_q, varlen_block_m(d), total_q)`` (or
     ``config["BLOCK_M"]``), launched as given. ``use_tma`` and ``config`` (BLOCK_M, BLOCK_N, num_warps,
     num_stages) are for benchmarking; None chooses (``tuned_launch``).
     """
+    dropout = _check_dropout_args(dropout_p, rng_state)
+    rng = (dropout.seed, dropout.offset) if dropout.p > 0 else None
+    if block_table is not None:  # paged K/V: checked and planned every call (the table may change between them)
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise ValueError(f"q must be [total_q, H, d], got {getattr(q, 'shape', type(q).__name__)}")
+        layout = _layout(q, q.shape[0], None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
+        total_q, H, d, Hkv, page = _check_paged(q, k, v, block_table, layout)
+        mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, layout.num_seqs, q.device, "num_seqs",
+                           both=True)
+        return _FwdPlan(q, k, v, layout, mods, sm_scale, block_map, use_tma, config, dropout.p,
+                        block_table).run(q, k, v, rng)
     if (isinstance(cu_seqlens_q, VarlenBatch) and cu_seqlens_k is None and max_seqlen_q is None
             and max_seqlen_k is None and block_map is None and use_tma is None and config is None):
-        return _plan_for(cu_seqlens_q, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes).run(q, k, v)
+        return _plan_for(cu_seqlens_q, q, k, v, causal, sm_scale, window_size, softcap, alibi_slopes,
+                         dropout.p).run(q, k, v, rng)
     total_q, H, d, total_k, Hkv = _check_packed(q, k, v)
     layout = _layout(q, total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
-    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, layout.num_seqs, q.device, "num_seqs")
-    return _FwdPlan(q, k, v, layout, mods, sm_scale, block_map, use_tma, config).run(q, k, v)
+    mods = _check_mods(causal, window_size, softcap, alibi_slopes, H, layout.num_seqs, q.device, "num_seqs",
+                       both=True)
+    return _FwdPlan(q, k, v, layout, mods, sm_scale, block_map, use_tma, config, dropout.p).run(q, k, v, rng)
