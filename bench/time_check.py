@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shutil
@@ -22,6 +21,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: common.py
+from common import log, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "bench" / "results" / "check_times.json"
@@ -64,12 +66,12 @@ def main(argv=None) -> int:
     steps = {}
     for target in ("setup", "check-setup"):
         steps[target] = _run(["make", target], clone, env)
-        print(f"make {target}: {steps[target]['seconds']:.0f} s (exit {steps[target]['returncode']})", flush=True)
+        log(f"make {target}: {steps[target]['seconds']:.0f} s (exit {steps[target]['returncode']})")
     # `make check`'s own parts as it runs them: check-notebooks only where e2e is not required (the Makefile's rule)
     parts = [p for p in PARTS if p != "check-notebooks" or env.get("COURSE_E2E_REQUIRED") != "1"]
     for target in parts:
         steps[target] = _run(["make", target], clone, env)
-        print(f"make {target}: {steps[target]['seconds']:.0f} s (exit {steps[target]['returncode']})", flush=True)
+        log(f"make {target}: {steps[target]['seconds']:.0f} s (exit {steps[target]['returncode']})")
     check = round(sum(steps[p]["seconds"] for p in parts), 1)
     record = {"meta": {**_machine(clone, env), "commit": subprocess.run(
                   ["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip(),
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
                               "PYTHONPATH"},
               "steps": steps, "make_check_seconds": check,
               "passed": all(s["returncode"] == 0 for s in steps.values())}
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    write_json(str(args.out), record)
     print(f"make check: {check / 60:.1f} min in all ({'passed' if record['passed'] else 'FAILED'}); "
           f"record: {args.out}")
     if args.keep:
