@@ -14,9 +14,11 @@ that is not one, a bf16 conversion, a layout) fails here.
 Which configurations: on every target, each configuration the launcher would try there
 (``helpers.kernels.common.launch_configs`` prunes the autotune sets by the GPU's shared memory) in fp16 at
 d = 128, the fixed ones of the teaching launchers, the kernels defined in the worked notebooks' cells (taken
-from solutions/*.ipynb, as the tests take them) and the checker's probe; on sm_90 also TMA, the other masks
-and layouts and d = 64; on sm_90 and sm_86 bf16. The planted-bug kernels of the tests run only in the maintainers'
-GPU test runs (an H200), so they compile for sm_90 only.
+from solutions/*.ipynb, as the tests take them) and the checker's probe. Every variant (masks, score mods,
+dropout, odd head dims, layouts, d = 64) once, on sm_80 (``VARIANT_TARGETS``): a constexpr branch is the same
+code on every target and an sm_80 compile is the cheapest with tensor cores; what is Hopper's own (TMA, the
+tiles only sm_90 keeps, bf16 with every configuration's shared-memory proof) on sm_90. A test's planted-bug
+kernels run only in the maintainers' GPU test runs (an H200), so they compile for sm_90 only.
 """
 from __future__ import annotations
 
