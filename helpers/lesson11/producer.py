@@ -3,6 +3,7 @@ of a producer's Python body through recording stand-ins, and, in child processes
 native run on an sm_90 GPU (bounded in time: a deadlocked kernel is killed with its process)."""
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from dataclasses import dataclass
@@ -209,7 +210,8 @@ class _Desc:
         self.name = name
         self.block_shape = [rows, d]
         self.dtype = _Dtype()
-        self.nbytes_per_cta = _Bytes(rows * d * elsize, name)
+        if descriptor_has_nbytes_per_cta():                      # Tritons newer than 3.6
+            self.nbytes_per_cta = _Bytes(rows * d * elsize, name)
         self.block_type = _BlockType(_Bytes(rows * d * elsize, name), [rows, d], self.dtype, rows * d)
         self.layout = _Opaque(f"{name}.layout")
 
@@ -217,9 +219,24 @@ class _Desc:
         return self.name
 
     def __getattr__(self, attr):
+        if attr == "nbytes_per_cta":
+            raise TraceError(f"{self.name}.nbytes_per_cta: this Triton's descriptors do not have it (newer "
+                             "Tritons added it)", f"use {self.name}.block_type.nbytes")
+        has = "block_type.nbytes, block_type.shape, block_shape, dtype, layout" + (
+            ", nbytes_per_cta" if descriptor_has_nbytes_per_cta() else "")
         raise TraceError(f"{self.name}.{attr}: the CPU trace does not model this attribute of a descriptor (it has "
-                         "block_type.nbytes, block_type.shape, block_shape, dtype, nbytes_per_cta, layout); the "
-                         "producer needs only the block's bytes")
+                         f"{has}); the producer needs only the block's bytes")
+
+
+@functools.lru_cache(maxsize=None)
+def descriptor_has_nbytes_per_cta() -> bool:
+    """Whether this Triton's Gluon TMA descriptors have ``nbytes_per_cta`` (newer than 3.6; without Triton: the
+    stand-ins follow the newest Gluon, as ``_SIGNATURES`` does)."""
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import tma
+    except ImportError:
+        return True
+    return hasattr(getattr(tma, "tensor_descriptor", None), "nbytes_per_cta")
 
 
 def _as_int(x, what):
@@ -248,6 +265,8 @@ class _Recorder:
 
     def __init__(self, limit, signatures):
         self.events, self.limit, self.sigs = [], limit, signatures
+        # expect's byte count is its second parameter: ``bytes_per_cta`` in Tritons newer than 3.6, ``bytes`` in 3.6
+        self.byte_count = list(signatures["expect"].parameters)[1]
 
     def add(self, event):
         self.events.append(event)
@@ -277,7 +296,7 @@ class _Recorder:
         bar = self.bar(a["mbarrier"], "mbarrier.expect")
         if not _pred(a["pred"], "mbarrier.expect"):
             return self.add(("skip", ("expect", bar)))
-        n = a["bytes_per_cta"]
+        n = a[self.byte_count]
         self.add(("expect", bar, _as_int(n, "mbarrier.expect's byte count"), getattr(n, "src", None)))
 
     def wait(self, *args, **kwargs):
@@ -299,7 +318,10 @@ class _Recorder:
     invalidate = init
 
     # tma
-    def load(self, *args, _name="async_load", **kwargs):
+    def load(self, *args, _name=None, **kwargs):
+        """The TMA load, whichever name this Triton gives it (``tma_load`` is that name)."""
+        if _name is None:
+            _name = "async_load" if "async_load" in self.sigs else "async_copy_global_to_shared"
         a = self.bind(_name, args, kwargs)
         desc, coord, result = a["tensor_desc"], a["coord"], a["result"]
         if not isinstance(desc, _Desc):
@@ -322,6 +344,14 @@ class _Recorder:
                              "a TMA coordinate names the block's first row and its first column",
                              f"tma_load({desc.name}, [row, 0], bar, dest)")
         self.add(("load", desc.name, coord, bar, result))
+
+    def async_load(self, *args, **kwargs):
+        if "async_load" not in self.sigs:
+            raise TraceError("tma.async_load: this Triton's Gluon does not have it yet (Triton 3.8 renamed "
+                             "tma.async_copy_global_to_shared to it)", "this Triton's TMA load is "
+                             "tma.async_copy_global_to_shared (tma_load is that name here)",
+                             "tma_load(desc, [row, 0], bar, dest)")
+        return self.load(*args, _name="async_load", **kwargs)
 
     def copy_global_to_shared(self, *args, **kwargs):
         if "async_copy_global_to_shared" not in self.sigs:
@@ -360,7 +390,7 @@ def _fakes(rec):
     """The trace's module tree: gluon, gl, gl.nvidia, gl.nvidia.hopper, mbarrier and tma."""
     mb = _Fake("mbarrier", {"expect": rec.expect, "wait": rec.wait, "arrive": rec.arrive, "init": rec.init,
                             "invalidate": rec.invalidate})
-    tm = _Fake("tma", {"async_load": rec.load, "async_copy_global_to_shared": rec.copy_global_to_shared})
+    tm = _Fake("tma", {"async_load": rec.async_load, "async_copy_global_to_shared": rec.copy_global_to_shared})
     hopper = _Fake("gl.nvidia.hopper", {"mbarrier": mb, "tma": tm})
     nvidia = _Fake("gl.nvidia", {"hopper": hopper})
     real_gl = gluon_api()[1] if gluon_here() else None
