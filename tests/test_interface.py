@@ -490,12 +490,13 @@ def test_dropout_with_every_score_mod_against_the_kernels_own_mask():
                         dropout_p=p, rng_state=(77, 5), **mods)
     keep = dropout_keep_mask(B, H, N, Nk, p, (77, 5), DEVICE)
     o_ref, _ = attention_ref(q, k, v, window=(9, 3), softcap=8.0, slopes=slopes, keep=keep, dropout_p=p)
-    assert _err(o.transpose(1, 2), o_ref) < 1e-4
+    tol = 1e-2 if ON_GPU else 1e-4   # natively float32's dots run on TF32 tensor cores (10-bit mantissa)
+    assert _err(o.transpose(1, 2), o_ref) < tol                     # a wrong mask is off by O(0.1) or more
     gout = torch.randn_like(o_ref)
     got = torch.autograd.grad(o.transpose(1, 2), (q, k, v), gout)
     want = torch.autograd.grad(o_ref, (q, k, v), gout)
     for a, b in zip(got, want):
-        assert _err(a, b) < 1e-4 * max(1.0, b.abs().max().item())
+        assert _err(a, b) < tol * max(1.0, b.abs().max().item())
 
 
 # ------------------------------------------------------------------ layouts: nothing copied
