@@ -3,8 +3,8 @@
 Each call of the learner's function made by a checker has a limit (``COURSE_CASE_TIMEOUT`` seconds, default 60;
 ``0`` turns it off). On the main thread of Linux and macOS a ``SIGALRM`` timer raises ``CaseTimeout``, which also
 interrupts a blocking C call (``time.sleep``, a read); elsewhere (Windows, other threads) a timer thread raises it
-with CPython's ``PyThreadState_SetAsyncExc`` at the next Python bytecode. Either way it waits while a module is
-being imported: interrupted, ``torch._dynamo`` or ``sympy`` stayed half loaded.
+with CPython's ``PyThreadState_SetAsyncExc`` at the next Python bytecode. Either way it waits while the call is
+importing a module (interrupted, ``torch._dynamo`` or ``sympy`` stayed half loaded), at most ``_MAX_IMPORT_WAIT``.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import functools
 import math
 import os
 import signal
+import sys
 import threading
 import time
-from importlib import _bootstrap
 
 __all__ = ["CaseTimeout", "TIMEOUT_ENV", "DEFAULT_CASE_TIMEOUT", "case_timeout", "call_with_limit", "time_limited"]
 
@@ -49,15 +49,23 @@ def _async_raise(thread_id: int, exc) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
-def _importing(before=frozenset()) -> bool:
-    """True while a module is being imported (by any thread), other than those whose import was already under
-    way when the limit was armed (``before``: a check run by a module's own import must still be stopped):
-    the limit waits, so that it never leaves a module half loaded (``torch._dynamo``, ``sympy``: a learner's
-    session would stay broken)."""
-    return bool(set(_bootstrap._module_locks) - before)
+def _importing(frame, limit_code) -> bool:
+    """True while the limited call is importing a module: a frame of ``importlib._bootstrap`` between the frame
+    that was interrupted (``frame``) and the limit's own (the first frame running ``limit_code``). The limit then
+    waits, so that it never leaves a module half loaded (``torch._dynamo``, ``sympy``: a learner's session would
+    stay broken). An import under way above the limit (a check run by a module's own import) does not count: that check is still stopped. Read from
+    the stack, not from the import locks, which an unrelated import (another thread's, or a lock an old traceback
+    keeps alive) can hold for ever."""
+    f = frame
+    while f is not None and f.f_code is not limit_code:
+        if f.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        f = f.f_back
+    return False
 
 
 _RETRY = 0.05   # seconds: how soon the limit tries again when it found an import under way
+_MAX_IMPORT_WAIT = 120.0   # seconds past the limit: an import that takes longer is interrupted after all
 
 
 def _use_signal() -> bool:
@@ -81,13 +89,14 @@ def call_with_limit(fn, *args, limit: float | None = None, **kwargs):
     thread_id = threading.get_ident()
     lock = threading.Lock()
     state = {"running": True, "fired": False, "timer": None}
-    before = frozenset(_bootstrap._module_locks)
+    limit_code = call_with_limit.__code__     # frames compare by code (f_back is not always the same object)
+    give_up = time.monotonic() + limit + _MAX_IMPORT_WAIT
 
     def fire():
         with lock:
             if not state["running"]:
                 return
-            if _importing(before):
+            if time.monotonic() < give_up and _importing(sys._current_frames().get(thread_id), limit_code):
                 state["timer"] = threading.Timer(_RETRY, fire)
                 state["timer"].daemon = True
                 state["timer"].start()
@@ -114,12 +123,13 @@ def call_with_limit(fn, *args, limit: float | None = None, **kwargs):
 
 def _call_with_alarm(fn, args, kwargs, limit):
     state = {"running": True}
-    before = frozenset(_bootstrap._module_locks)
+    limit_code = _call_with_alarm.__code__
+    give_up = time.monotonic() + limit + _MAX_IMPORT_WAIT
 
     def on_alarm(signum, frame):
         if not state["running"]:
             return
-        if _importing(before):
+        if time.monotonic() < give_up and _importing(frame, limit_code):
             signal.setitimer(signal.ITIMER_REAL, _RETRY)
             return
         state["running"] = False

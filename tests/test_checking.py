@@ -344,7 +344,7 @@ def test_the_timer_thread_also_waits_for_an_import(monkeypatch):
     monkeypatch.setattr(timelimit, "_use_signal", lambda: False)
     seen = {}
     calls = iter([True, True, False])
-    monkeypatch.setattr(timelimit, "_importing", lambda before=frozenset(): next(calls, False))
+    monkeypatch.setattr(timelimit, "_importing", lambda frame, limit_code: next(calls, False))
 
     def spin():
         t0 = time.monotonic()
@@ -360,6 +360,27 @@ def test_the_timer_thread_also_waits_for_an_import(monkeypatch):
     th.start()
     th.join()
     assert seen.get("after") and 0.1 <= time.monotonic() - t0 < 4     # two retries of 0.05 s, then stopped
+
+
+def test_another_threads_import_does_not_hold_the_limit_back(tmp_path, monkeypatch):
+    """Only the limited call's own imports hold the limit back: an import running in another thread for seconds
+    (or an import lock an old traceback keeps alive) once kept a spinning answer going until it filled memory."""
+    import sys
+    import threading
+    (tmp_path / "slow_import_elsewhere.py").write_text("import time\ntime.sleep(6)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    th = threading.Thread(target=lambda: __import__("slow_import_elsewhere"), daemon=True)
+
+    def spin():
+        th.start()                                           # an import elsewhere, begun after the limit was armed
+        while True:
+            pass
+    t0 = time.monotonic()
+    with pytest.raises(checking.CaseTimeout):
+        checking.call_with_limit(spin, limit=0.3)
+    assert time.monotonic() - t0 < 3
+    th.join()
+    sys.modules.pop("slow_import_elsewhere", None)
 
 
 def test_a_check_run_by_an_import_is_still_stopped(tmp_path, monkeypatch):
