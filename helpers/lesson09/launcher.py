@@ -422,6 +422,9 @@ def _worker(rank, world_size, port, payload, jobs_blob, conn, pg_timeout_s):
                               timeout=datetime.timedelta(seconds=pg_timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
+        # Every rank connected before any runs a job: a rank whose job fails at once (a learner's stub) must not
+        # end the run while another is still connecting (gloo then prints "connectFullMesh failed" on stderr).
+        dist.barrier()
         probe = _Probe(conn, job_ref)
         probe.install()
         KVTracker = _kv_tracker_class()
