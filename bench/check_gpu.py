@@ -12,7 +12,7 @@
 
 No Jupyter server is needed, only ``ipykernel`` and ``nbclient`` (README: how to bring them as wheels to a
 GPU machine that lacks them). Usage: ``python bench/check_gpu.py [--only-tests | --only-notebooks]
-[--workers N] [NOTEBOOK ...]``.
+[--tests FILE ...] [--workers N] [NOTEBOOK ...]`` (``--tests``: a part of the kernel tests, merged into the record).
 """
 from __future__ import annotations
 
@@ -49,19 +49,19 @@ def machine() -> dict:
                                 capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
     except Exception as e:  # noqa: BLE001 - the record says why
         driver = f"unknown ({type(e).__name__})"
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    return {"date": record_date(),
             "gpu": torch.cuda.get_device_name(0), "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
             "driver": driver, "torch": torch.__version__, "triton": triton.__version__,
             "python": sys.version.split()[0]}
 
 
-def run_tests(workers: int) -> dict:
-    """pytest over KERNEL_TESTS; counts per file from its JUnit XML."""
+def run_tests(workers: int, files: list[str]) -> dict:
+    """pytest over ``files`` (KERNEL_TESTS unless asked); counts per file from its JUnit XML."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
-                               f"--junitxml={xml}", *KERNEL_TESTS], cwd=ROOT, text=True,
+                               f"--junitxml={xml}", *files], cwd=ROOT, text=True,
                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                                   [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)))
         per_file: dict = {}
@@ -79,6 +79,29 @@ def run_tests(workers: int) -> dict:
                     row["passed"] += 1
     return {"returncode": proc.returncode, "seconds": round(time.time() - t0, 1), "files": per_file,
             "failures": failures}
+
+
+def merge_tests(old: dict, new: dict, files: list[str]) -> dict:
+    """A run of some test files replaces those files' rows and failures in the record and keeps the others' (one
+    device call may be too short for every file: ``--tests`` runs a part). Each part's date is in ``parts``; the
+    record passes only when every file of KERNEL_TESTS has a row and no test of theirs failed."""
+    names = {Path(f).name for f in files}
+    if not old.get("parts"):          # a whole run's rows are not merged into: the parts start the record anew
+        old = {}
+    per_file = {f: c for f, c in old.get("files", {}).items() if f not in names} | new["files"]
+    failures = [n for n in old.get("failures", []) if n.split("::")[0].split(".")[-1] + ".py" not in names]
+    failures += new["failures"]
+    parts = [p for p in old.get("parts", []) if not set(p["files"]) <= names]
+    parts.append({"files": sorted(names), "date": record_date(), "seconds": new["seconds"],
+                  "returncode": new["returncode"]})
+    missing = [Path(f).name for f in KERNEL_TESTS if Path(f).name not in per_file]
+    return {"returncode": int(bool(failures) or bool(missing)),
+            "seconds": round(sum(p["seconds"] for p in parts), 1), "files": per_file, "failures": failures,
+            "parts": parts, "not_run": missing}
+
+
+def record_date() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def run_notebook(path: Path) -> dict:
@@ -137,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("notebooks", nargs="*", help="notebooks to run (default: every one in solutions/ and notebooks/)")
     ap.add_argument("--only-tests", action="store_true")
     ap.add_argument("--only-notebooks", action="store_true")
+    ap.add_argument("--tests", nargs="+", metavar="FILE", help="run only these of KERNEL_TESTS and merge them into "
+                    "the record (the other files keep their rows; the record says which part ran when)")
     ap.add_argument("--workers", type=int, default=4, help="pytest-xdist workers, and notebooks run at once")
     args = ap.parse_args(argv)
     import torch
@@ -147,7 +172,13 @@ def main(argv=None) -> int:
     record["machine"] = machine()
     log("machine:", record["machine"])
     if not args.only_notebooks:
-        record["tests"] = run_tests(args.workers)
+        if args.tests:
+            unknown = [f for f in args.tests if f not in KERNEL_TESTS]
+            if unknown:
+                sys.exit(f"--tests takes files of KERNEL_TESTS; not one: {unknown}")
+            record["tests"] = merge_tests(record.get("tests", {}), run_tests(args.workers, args.tests), args.tests)
+        else:
+            record["tests"] = run_tests(args.workers, KERNEL_TESTS)
         save(record)
     if not args.only_tests:
         paths = [Path(p).resolve() for p in args.notebooks] or \

@@ -267,3 +267,24 @@ def test_profile_gluon_reads_ncu_csv_kernel_by_kernel():
     table = results.gluon_profile_table(rec)
     assert "NVIDIA H200" in table and "63.2%" in table and "bwd-d128-N16384: the Gluon call takes 2.00x" in table
     assert "not" in results.gluon_profile_table({"rows": []}).lower()
+
+
+def test_check_gpu_merges_a_part_of_the_kernel_tests():
+    """`check_gpu.py --tests FILE ...` replaces those files' rows; the record passes only once every file has run."""
+    cg = _load("check_gpu")
+    names = [os.path.basename(f) for f in cg.KERNEL_TESTS]
+    one = {"returncode": 1, "seconds": 3.0, "files": {names[0]: {"passed": 1, "failed": 1, "skipped": 0}},
+           "failures": [f"tests.{names[0][:-3]}::test_a"]}
+    whole_run = {"files": {"test_gone.py": {"passed": 4, "failed": 0, "skipped": 0}}, "failures": []}
+    rec = cg.merge_tests(whole_run, one, [cg.KERNEL_TESTS[0]])
+    assert "test_gone.py" not in rec["files"], "a whole run's rows are not merged into"
+    assert rec["returncode"] == 1 and rec["not_run"] == names[1:]
+    rest = {"returncode": 0, "seconds": 5.0, "files": {n: {"passed": 2, "failed": 0, "skipped": 0} for n in names[1:]},
+            "failures": []}
+    rec = cg.merge_tests(rec, rest, cg.KERNEL_TESTS[1:])
+    assert rec["returncode"] == 1 and rec["failures"] == one["failures"], "the first part's failure stays"
+    again = {"returncode": 0, "seconds": 2.0, "files": {names[0]: {"passed": 2, "failed": 0, "skipped": 0}},
+             "failures": []}
+    rec = cg.merge_tests(rec, again, [cg.KERNEL_TESTS[0]])
+    assert rec["returncode"] == 0 and rec["failures"] == [] and rec["not_run"] == []
+    assert [p["files"] for p in rec["parts"]] == [sorted(names[1:]), [names[0]]] and rec["seconds"] == 7.0
