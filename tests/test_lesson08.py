@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import matplotlib
+import numpy as np
 import pytest
 import torch
 from conftest import rejects
@@ -217,6 +218,78 @@ def bwd_tiles_kept(kept="kv"):
     return fn
 
 
+def bwd_dq_kept(where, q_outer=False):
+    """Right gradients with dQ accumulated outside the returned tensor: in a numpy array, a float64 copy, or a
+    list of [Br, d] tiles; KV blocks outside (correct) or, with ``q_outer``, Q blocks outside and dK/dV in lists."""
+    def fn(q, k, v, o, lse, do, Br=4, Bc=3, causal=False, align="top_left"):
+        N, d = q.shape
+        Nk = k.shape[0]
+        scale, off = 1.0 / math.sqrt(d), lesson04.offset(N, Nk, align)
+        D = (do * o).sum(1)
+        dq = {"numpy": lambda: np.zeros((N, d)), "float64": lambda: torch.zeros(N, d, dtype=torch.float64),
+              "list": lambda: [torch.zeros(min(Br, N - i), d) for i in range(0, N, Br)]}[where]()
+
+        def tile(i, j, Kj, Vj):
+            Qi, dOi = q[i:i + Br], do[i:i + Br]
+            seen = torch.arange(j, j + Kj.shape[0])[None, :] <= torch.arange(i, i + Qi.shape[0])[:, None] + off
+            P = torch.where(seen | (not causal), torch.exp(Qi @ Kj.T * scale - lse[i:i + Br, None]), 0.0)
+            dS = P * (dOi @ Vj.T - D[i:i + Br, None])
+            dqi = dS @ Kj * scale
+            if where == "numpy":
+                dq[i:i + Br] += dqi.numpy()
+            elif where == "float64":
+                dq[i:i + Br] += dqi.double()
+            else:
+                dq[i // Br] = dq[i // Br] + dqi
+            return dS.T @ Qi * scale, P.T @ dOi
+
+        def skip(i, j):
+            return causal and lesson04.tile_class(i, j, Br, Bc, N, Nk, align) == "skip"
+        Ks, Vs = k.split(Bc), v.split(Bc)
+        dKs, dVs = [torch.zeros_like(t) for t in Ks], [torch.zeros_like(t) for t in Vs]
+        pairs = [(i, j) for i in range(0, N, Br) for j in range(0, Nk, Bc)] if q_outer else \
+            [(i, j) for j in range(0, Nk, Bc) for i in range(0, N, Br)]
+        for i, j in pairs:
+            if not skip(i, j):
+                dK, dV = tile(i, j, Ks[j // Bc], Vs[j // Bc])
+                dKs[j // Bc] += dK
+                dVs[j // Bc] += dV
+        dq = torch.from_numpy(dq).to(q.dtype) if where == "numpy" else \
+            dq.to(q.dtype) if where == "float64" else torch.cat(dq)
+        return dq, torch.cat(dKs), torch.cat(dVs)
+    fn.__name__ = f"flash_attn_bwd_dq_in_{where}{'_q_outer' if q_outer else ''}"
+    return fn
+
+
+def bwd_invisible_scores_elementwise(q, k, v, o, lse, do, Br=4, Bc=3, causal=False, align="top_left"):
+    """An honest mistake: every invisible tile's S computed elementwise, found all masked, then skipped."""
+    N, d = q.shape
+    Nk = k.shape[0]
+    off = lesson04.offset(N, Nk, align)
+    for j in range(0, Nk, Bc):
+        for i in range(0, N, Br):
+            if causal and lesson04.tile_class(i, j, Br, Bc, N, Nk, align) == "skip":
+                S = (q[i:i + Br, None, :] * k[None, j:j + Bc, :]).sum(-1) / math.sqrt(d)
+                seen = torch.arange(j, j + S.shape[1])[None, :] <= torch.arange(i, i + S.shape[0])[:, None] + off
+                assert not seen.any()
+    return L.flash_attn_bwd_ref(q, k, v, o, lse, do, Br, Bc, causal, align)
+
+
+@pytest.mark.parametrize("where", ["numpy", "float64", "list"])
+def test_bwd_dq_kept_anywhere_is_counted_by_the_loop_order(where, strict, capsys):
+    """The loop order is read from the order the score tiles were made, not from writes into the returned dQ:
+    dQ in a numpy array, a float64 copy or a list passes with KV blocks outside and is named with Q outside."""
+    check.flash_attn_bwd(bwd_dq_kept(where))
+    assert "✅ flash_attn_bwd" in capsys.readouterr().out
+    rejects(check.flash_attn_bwd, bwd_dq_kept(where, q_outer=True), "Q block by Q block (S00, S01",
+            "Q blocks were the outer loop")
+
+
+def test_bwd_invisible_tiles_computed_elementwise_are_rejected():
+    rejects(check.flash_attn_bwd, bwd_invisible_scores_elementwise, "tiles that see no key",
+            "the invisible causal tiles were computed", "skip them before any work")
+
+
 # ------------------------------------------------------------------ flash_attn_bwd
 @pytest.mark.parametrize("fn", [L.flash_attn_bwd_ref, make_bwd(None), bwd_exp2_lists, make_bwd("dkv_add_once"),
                                 make_bwd("dkv_index_add")])
@@ -244,7 +317,7 @@ def test_bwd_other_correct_ways_pass(fn, strict, capsys):
     ("full_P", ["[32, 40]", "full P", "never stored"]),
     ("dkv_hbm", ["dK went to HBM 4 times its size", "dK/dV accumulated in HBM per tile"]),
     ("reslice_k", ["k was read 4 times", "once per outer step"]),
-    ("all_tiles", ["the tiles with a visible key need", "invisible causal tiles were computed"]),
+    ("all_tiles", ["tiles that see no key (S02", "invisible causal tiles were computed"]),
     ("D_per_tile", ["o was read 6 times", "D = rowsum(dO * O) is computed once"]),
     ("D_mean", ["o was read 6 times", "D = rowsum(dO * O) is computed once"]),
     ("D_einsum", ["o was read 6 times", "D = rowsum(dO * O) is computed once"]),
@@ -262,7 +335,7 @@ def test_bwd_planted_bugs_rejected(bug, words):
 
 
 @pytest.mark.parametrize("kept, words", [
-    ("kv", ["dQ went to HBM 1 times its size", "Q blocks were the outer loop", "a list of tiles"]),
+    ("kv", ["Q block by Q block (S00, S01, S02, S03", "Q blocks were the outer loop", "a list of tiles"]),
     ("P", ["score tiles alive at once", "stored for a second sweep"]),
 ])
 def test_bwd_whole_inputs_of_tiles_kept_are_rejected(kept, words):

@@ -14,6 +14,7 @@ and the writes into dq, dk, dv element by element (dK, dV once; dQ once per KV b
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
@@ -35,13 +36,23 @@ def reference_grads(q, k, v, do, causal=False, align="top_left"):
 
 class _Watch:
     """What the meter does not see, watched during one call (unmetered: the meter keeps every tensor alive):
-    calls into autograd, and the most ``[Br, Bc]`` score tiles (S, P, dP, dS) alive at once (tiles kept
-    for a second sweep)."""
+    calls into autograd, the most ``[Br, Bc]`` score tiles (S, P, dP, dS) alive at once (tiles kept
+    for a second sweep), and the order in which the score tiles S_ij were made.
 
-    def __init__(self, tile_shapes=()):
+    The order is read from the tiles' values, not from where dQ is kept: every tile-shaped tensor a torch op
+    makes is compared, after the call, with the tiles of ``q @ k.T`` (up to a positive factor: the scale, or
+    log2(e) with it; transposed too). So a dQ accumulated in HBM, in a float64 copy, in a numpy array or in a
+    list of tiles reads the same: KV blocks outside make S_00, S_10, S_20, ..., Q blocks outside S_00, S_01,
+    ... (``tile_order``; empty when no score tile was made by torch, e.g. all in numpy)."""
+
+    def __init__(self, tile_shapes=(), q=None, k=None, Br=None, Bc=None):
         self.autograd, self.live, self.peak_tiles, self.tile_shapes = [], 0, 0, set(tile_shapes)
         self.written = {}       # storage -> elements written into it in place (results, not zero fills)
         self.out_writes = []    # per returned tensor: elements written in place / its elements
+        self.kept = []          # the tensors written into (their storages keyed by address)
+        self.scores = None if q is None else (q.double() @ k.double().T, Br, Bc)   # [N, Nk] in float64
+        self.made_tiles = []    # tile-shaped tensors made, in order (float64 copies), matched after the call
+        self.tile_order = []    # (Q block, KV block) of each run of S tiles, in the order they were made
 
     def wrote(self, func, args):
         """Elements an in-place op writes: a slice's elements, or an index_add_'s rows (not the whole tensor);
@@ -62,6 +73,7 @@ class _Watch:
             n = args[2].numel()
         key = dst.untyped_storage().data_ptr()
         self.written[key] = self.written.get(key, 0) + n
+        self.kept.append(dst)     # alive till the call ends: a freed buffer's address is not a new tensor's
 
     def _gone(self):
         self.live -= 1
@@ -73,6 +85,29 @@ class _Watch:
                 self.live += 1
                 self.peak_tiles = max(self.peak_tiles, self.live)
                 weakref.finalize(t, self._gone)
+                if self.scores is not None and t.dtype.is_floating_point:
+                    self.made_tiles.append(t.detach().double().clone())
+
+    def _order(self):
+        """Match each made tile with a tile of S = q k^T (cosine above 1 - 1e-6, a positive factor); the runs of
+        equal (Q block, KV block) in the order made: one run per tile for one pass, two for two passes."""
+        S, Br, Bc = self.scores
+        N, Nk = S.shape
+        order = []
+        for t in self.made_tiles:
+            hit = None
+            for bi, i in enumerate(range(0, N, Br)):
+                for bj, j in enumerate(range(0, Nk, Bc)):
+                    ref = S[i:i + Br, j:j + Bc]
+                    for cand in (t, t.T):
+                        if cand.shape == ref.shape and ref.norm() > 0 and cand.norm() > 0 and \
+                                float((cand * ref).sum() / (cand.norm() * ref.norm())) > 1 - 1e-6:
+                            hit = (bi, bj)
+                if hit:
+                    break
+            if hit and (not order or order[-1] != hit):
+                order.append(hit)
+        return order
 
     def run(self, fn, *args, **kwargs):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -102,6 +137,9 @@ class _Watch:
         self.out_writes = [self.written.get(t.untyped_storage().data_ptr(), 0) / max(t.numel(), 1)
                            if isinstance(t, torch.Tensor) else 0.0
                            for t in (out if isinstance(out, (tuple, list)) else (out,))]
+        if self.scores is not None:
+            self.tile_order, self.made_tiles = self._order(), []
+        self.kept = []
         return out
 
 
@@ -356,7 +394,7 @@ def _bwd_idea(g):
     case = _bwd_case(f"the idea, metered: N = {N}, Nk = {Nk}, d = {d}, Br = {Br}, Bc = {Bc}", q, k, v, do,
                      Br=Br, Bc=Bc)
     r = _meter(g, g.fn, case, BWD_NAMES)
-    watch = _Watch({(Br, Bc), (Bc, Br)})       # one more call, unmetered: the meter keeps every tensor alive
+    watch = _Watch({(Br, Bc), (Bc, Br)}, q, k, Br, Bc)   # one more call, unmetered: the meter keeps every tensor alive
     g.call(case, fn=lambda *a, **kw: watch.run(g.fn, *a, **kw))
     banned = sorted(op for op in r.ops if "scaled_dot_product" in op or "softmax" in op)
     if banned:
@@ -393,7 +431,16 @@ def _bwd_idea(g):
     # writes into the outputs, element by element, from the watched call: `dk[j:j+Bc] += dKj` (the add, then
     # the store of the slice onto itself) and dk.index_add_(0, rows, dKj) write Bc rows once, not the whole dk
     wrote_q, wrote_k, wrote_v = (watch.out_writes + [0.0] * 3)[:3]
-    if (read_k > 1 or read_v > 1) and wrote_k <= 1 and wrote_q <= 1:
+    # The loop order, from the order the score tiles were made (wherever dQ is kept); when torch made no score
+    # tile (all in numpy), from dQ's writes into the returned tensor: once means summed in SRAM, Q blocks outside.
+    order = watch.tile_order
+    runs = Counter(order)
+    two_sweeps = bool(runs) and max(runs.values()) >= 2           # S_ij made again after other tiles
+    q_outer = len(order) >= 2 and not two_sweeps and all(a[0] <= b[0] for a, b in zip(order, order[1:])) \
+        and any(a[0] == b[0] for a, b in zip(order, order[1:]))
+    if not order:
+        two_sweeps, q_outer = wrote_q <= 1, wrote_q == 1
+    if (read_k > 1 or read_v > 1) and wrote_k <= 1 and two_sweeps:
         g.fail(f"k and v were read {read_k:g} times and dQ written once: that is the deterministic two-pass "
                "variant (a dK/dV pass, then a dQ pass with Q blocks outside)",
                hint="correct, but it recomputes S and dP in the second pass (3.5x the forward's FLOPs, not 2.5x). "
@@ -409,9 +456,12 @@ def _bwd_idea(g):
                "written once, a KV block at a time",
                hint="dK/dV accumulated in HBM per tile: keep dKj, dVj as local [Bc, d] tensors (SRAM) for the "
                     "whole Q loop, += into them, and write dk[j:j+Bc] = dKj once after it")
-    if n_kv > 1 and wrote_q <= 1:
-        g.fail(f"dQ went to HBM {wrote_q:g} times its size with {n_kv} KV blocks: each dQ_i was summed in "
-               "SRAM, so the Q blocks were the outer loop (and the K/V tiles, or dK/dV, were kept across it)",
+    if n_kv > 1 and q_outer:
+        seen = ", ".join(f"S{i}{j}" for i, j in order[:4])
+        g.fail((f"your function made the score tiles Q block by Q block ({seen}, ...): " if watch.tile_order else
+                f"dQ went to HBM {wrote_q:g} times its size with {n_kv} KV blocks: ") +
+               "each dQ_i was summed in SRAM, so the Q blocks were the outer loop (and the K/V tiles, or dK/dV, "
+               "were kept across it)",
                hint="with Q blocks outside, every K/V tile and its dK/dV partial must stay alive for the whole "
                     "run: a list of tiles is all of K, V, dK, dV in SRAM, which no GPU has. FlashAttention-2 "
                     "puts KV blocks outside (dKj, dVj in SRAM) and adds each tile's dQ into HBM: "
@@ -445,6 +495,17 @@ def _bwd_idea(g):
                      Br=Br, Bc=Bc, causal=True)
     r = _meter(g, g.fn, case, BWD_NAMES)
     vis = reference.causal_mask(N, Nk, "top_left")
+    watch = _Watch({(Br, Bc), (Bc, Br)}, q, k, Br, Bc)     # which score tiles were made, however they were made
+    g.call(case, fn=lambda *a, **kw: watch.run(g.fn, *a, **kw))
+    hidden = sorted({(bi, bj) for bi, bj in watch.tile_order
+                     if not vis[bi * Br:(bi + 1) * Br, bj * Bc:(bj + 1) * Bc].any()})
+    if hidden:
+        g.fail(f"your function made the scores of {len(hidden)} tiles that see no key "
+               f"({', '.join(f'S{i}{j}' for i, j in hidden[:4])}{', ...' if len(hidden) > 4 else ''}; "
+               f"N = Nk = {N}, Br = {Br}, Bc = {Bc}): the invisible causal tiles were computed",
+               hint="skip them before any work, in the backward too (lesson 04's tile_class(i, j, Br, Bc, N, Nk, "
+                    "align) == 'skip'): their P is 0, so they add nothing to dQ, dK or dV, and computing S there "
+                    "(by a matmul or elementwise) is work a kernel never does")
     need = visible_tile_flops(vis, Br, Bc, d) * 10 // 4
     visible = [(min(Br, N - i0), min(Bc, Nk - j0)) for i0 in range(0, N, Br) for j0 in range(0, Nk, Bc)
                if vis[i0:i0 + Br, j0:j0 + Bc].any()]
