@@ -106,6 +106,18 @@ class _TrackedArray(np.ndarray):
         if rec is None:
             return out
         if isinstance(out, np.ndarray):
+            if out.size and not np.may_share_memory(out, self.view(np.ndarray)):
+                # advanced indexing (a[idx], a[mask]) copies: a gather, one load of those elements into SRAM
+                with rec.quiet():
+                    prov = rec.prov.of_array(self.view(np.ndarray))
+                    if prov is not None:
+                        idx = torch.from_numpy(np.ascontiguousarray(prov[1].numpy()[_plain_key(key)])).flatten()
+                        rec.note_read(prov[0], idx[idx >= 0], "np.ndarray[idx]")
+                        rec.note_made(out.size, out.shape, "np.ndarray[idx]")
+                out = out.view(_TrackedArray)
+                out._tile = rec.new_tile()
+                rec.loaded.add(out._tile)      # held in SRAM, made here: reading it again is free
+                return out
             out = out.view(_TrackedArray)
             out._tile = self._tile if self._tile is not None else rec.new_tile()
             return out
@@ -174,6 +186,13 @@ class _TrackedArray(np.ndarray):
             with rec.quiet():
                 rec.numpy_op(f"np.{func.__name__}", leaves, result, func=func)
         return _wrap_result(result, None)
+
+
+def _plain_key(key):
+    """An index with followed arrays in it, as plain numpy (to index the provenance with)."""
+    if isinstance(key, tuple):
+        return tuple(_plain_key(k) for k in key)
+    return key.view(np.ndarray) if isinstance(key, _TrackedArray) else key
 
 
 def _np_leaves(obj):

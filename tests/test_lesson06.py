@@ -1,6 +1,7 @@
 """Lesson 06 (Flash-Decoding): the solutions pass, the stubs fail strict, planted bugs are named."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -234,6 +235,28 @@ def test_contiguous_copy_rejected():
     def bad(q, k_pages, v_pages, block_table, seqlen, num_splits=4):
         return _paged(q, k_pages, v_pages, block_table, seqlen, num_splits, lookup=lambda t, p: int(t[p]))
     rejects(check.flash_decode_paged, bad, "contiguous copy")
+
+
+def paged_copied_with_numpy(q, k_pages, v_pages, block_table, seqlen, num_splits=4):
+    """Right answers: the pages gathered into a contiguous cache by numpy's fancy indexing, then decoded."""
+    ps, Hkv, d = k_pages.shape[1:]
+    pages = np.asarray(block_table[:-(-seqlen // ps)]).astype(np.int64)
+    k, v = (torch.from_numpy(np.asarray(t)[pages].reshape(-1, Hkv, d)[:seqlen].transpose(1, 0, 2).copy())
+            for t in (k_pages, v_pages))
+    return L.flash_decode_ref(q, k, v, num_splits)
+
+
+def paged_copied_page_by_page_with_numpy(q, k_pages, v_pages, block_table, seqlen, num_splits=4):
+    ps, Hkv, d = k_pages.shape[1:]
+    k, v = (np.concatenate([t.numpy()[int(p)] for p in block_table[:-(-seqlen // ps)]])[:seqlen]
+            for t in (k_pages, v_pages))
+    return L.flash_decode_ref(q, *(torch.from_numpy(np.ascontiguousarray(t.transpose(1, 0, 2))) for t in (k, v)),
+                              num_splits)
+
+
+@pytest.mark.parametrize("fn", [paged_copied_with_numpy, paged_copied_page_by_page_with_numpy])
+def test_contiguous_copy_made_by_numpy_rejected(fn):
+    rejects(check.flash_decode_paged, fn, "as large as the whole sequence's K", "contiguous copy")
 
 
 def test_paged_round_robin_rejected(sol):

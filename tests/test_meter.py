@@ -114,6 +114,16 @@ def test_numpy_tiles_are_loads_and_copies_are_the_input():
     assert r.read_sizes["x"] == [2, 2, 2, 1] and r.element_reads["x"].tolist() == [2, 1, 1, 1, 1, 1]
 
 
+def test_numpy_fancy_indexing_is_a_gather_into_sram():
+    """a[idx] copies: one load of exactly those elements, and an array made (the largest here)."""
+    def gather(x):
+        rows = np.asarray(x)[np.array([3, 0, 3])]         # [3, 4], a copy
+        return float(rows.sum() + np.asarray(x)[1:2].sum())
+    r = meter.measure(gather, torch.arange(20.0).reshape(5, 4), names=["x"])
+    assert r.largest.shape == (3, 4) and r.largest.made_by == "np.ndarray[idx]"
+    assert r.read_sizes["x"] == [12, 4] and r.element_reads["x"].tolist() == [1] * 8 + [0] * 4 + [2] * 4 + [0] * 4
+
+
 # ------------------------------------------------------------------ what the work costs
 def test_elementwise_flops_match_a_matmul():
     a, b = torch.randn(4, 8), torch.randn(3, 8)
