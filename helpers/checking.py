@@ -547,8 +547,8 @@ class Grader:
 
         ``meter.working_memory`` measures the peak of the call's torch tensors and, through
         ``tracemalloc``, of its numpy arrays and Python objects (lists of floats included). Allowed:
-        one copy of the inputs on each side (``x.double()``, ``np.array(x)``), ``x.tolist()`` of a whole
-        input, 32 KiB of interpreter noise, and the budget: ``budget`` (a ``Budget``, or a callable
+        one copy of the inputs on each side (torch: ``x.double()``; Python: ``np.array(x)`` or ``x.tolist()`` of
+        a whole input, not a copy of that list too), 32 KiB of interpreter noise, and the budget: ``budget`` (a ``Budget``, or a callable
         ``case -> Budget``), else the exercise's ``@exercise(budget=...)``, else ``default_budget``.
         Returns the ``meter.Memory``, or None when there is no budget.
         """
@@ -569,7 +569,9 @@ class Grader:
         ts = [t for t in _tensors(case.args) + _tensors(case.kwargs)]
         copy = sum(t.numel() if t.element_size() >= 2 else -(-t.numel() * t.element_size() // 8) for t in ts)
         torch_limit = copy + b.elements
-        py_limit = copy + mem.input_lists + b.elements + SLACK
+        # one copy of the inputs on the Python side: np.array(x), or x.tolist() (its floats cost more), not both
+        # (a list made from x.tolist() by copying it is a second copy, which a second pass over x needs)
+        py_limit = max(copy, mem.input_lists) + b.elements + SLACK
         full = f"; the N x Nk scores are {b.full:,}" if b.full else ""
         if mem.torch_peak > torch_limit:
             big = mem.torch_largest
@@ -582,7 +584,7 @@ class Grader:
             self.fail(f"your function held {mem.python_peak * 8 / 1024:,.0f} KiB in Python objects and numpy arrays "
                       f"at once (a Python float in a list costs 32 bytes, a float64 8); its budget is {b.what}: "
                       f"{b.elements:,} elements beyond a copy of the inputs, "
-                      f"{(py_limit - mem.input_lists) * 8 / 1024:,.0f} KiB in all{full}", hint=b.hint)
+                      f"{py_limit * 8 / 1024:,.0f} KiB in all{full}", hint=b.hint)
         return mem
 
 def _tensors(v) -> list:
