@@ -544,3 +544,30 @@ def test_softcap_grad_in_place():
     def inplace(s, dT, cap):
         return dT.mul_(1 - torch.tanh(s / cap) ** 2)
     rejects(check.softcap_grad, inplace, "changed its input `dT` in place")
+
+
+def test_block_sparse_without_a_running_max_overflows_and_is_named():
+    """exp(S) with no max subtracted: right on small scores, inf / inf once a score passes 88 (the no-cap case)."""
+    def no_max(q, k, v, block_mask, mask_mod, score_mod=None, BLOCK_M=4, BLOCK_N=3, h=0):
+        kv_num, kv_idx, full_num, full_idx = block_mask
+        N, d = q.shape
+        O, lse = torch.empty(N, v.shape[1]), torch.empty(N)
+        for a, i0 in enumerate(range(0, N, BLOCK_M)):
+            Qi = q[i0:i0 + BLOCK_M]
+            qi = torch.arange(i0, i0 + Qi.shape[0])[:, None]
+            acc, l = torch.zeros(Qi.shape[0], v.shape[1]), torch.zeros(Qi.shape[0])
+            tiles = [(int(c), True) for c in kv_idx[a][:int(kv_num[a])]] + \
+                [(int(c), False) for c in full_idx[a][:int(full_num[a])]]
+            for c, partial in tiles:
+                j0 = c * BLOCK_N
+                Kj, Vj = k[j0:j0 + BLOCK_N], v[j0:j0 + BLOCK_N]
+                kj = torch.arange(j0, j0 + Kj.shape[0])[None, :]
+                S = Qi @ Kj.T / math.sqrt(d)
+                S = score_mod(S, 0, h, qi, kj) if score_mod is not None else S
+                P = torch.where(mask_mod(0, h, qi, kj), torch.exp(S), 0.0) if partial else torch.exp(S)
+                acc, l = acc + P @ Vj, l + P.sum(1)
+            O[i0:i0 + Qi.shape[0]] = torch.where(l[:, None] > 0, acc / l.clamp_min(1e-30)[:, None], 0.0)
+            lse[i0:i0 + Qi.shape[0]] = torch.where(l > 0, torch.log(l), -math.inf)
+        return O, lse
+    rejects(check.flash_attn_block_sparse, no_max, "large logits, no cap", "exp(S) overflows float32",
+            "keep a running max")
