@@ -650,6 +650,11 @@ _Q_LINES = _PRODUCER_LINES["q"].replace("\n    ", "\n" + " " * 8)
     ({"expect": "mbarrier.expect(full.index(s), 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes)"},
      ["more than the two copies bring", "never completes"], ""),
     ({"expect": "pass"}, ["no mbarrier.expect on full.index", "waits forever"], ""),
+    ({"expect": "mbarrier.expect(full.index(s), 2 * BLOCK_N * 64 * 2)"},     # right at d = 64 only
+     ["two tiles at d = 64", "this case's head dim is d = 128", "read them from the descriptors"], ""),
+    ({"k": "tma_load(k_desc, [(kv_row // BLOCK_N + j) * BLOCK_N, 0], full.index(s), k_smem.index(s))",
+      "v": "tma_load(v_desc, [(kv_row // BLOCK_N + j) * BLOCK_N, 0], full.index(s), v_smem.index(s))"},
+     ["no tile of this head starts there", "kv_row + j * BLOCK_N"], ""),       # kv_row is (b, KV head) * Nk, any row
     ({"v": "tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(s), k_smem.index(s))"},
      ["v_desc's tile lands in k_smem", "V_j to v_smem.index(s)"], ""),
     ({"v": "tma_load(v_desc, [kv_row + j * BLOCK_N, 0], full.index(0), v_smem.index(s))"},

@@ -383,19 +383,33 @@ _PRODUCER_FIXED = [(name, n, s) for name, n, s, c in _FIXED if c == 1] + [
     ("two stages, many laps", 11, 2), ("three stages, 9 tiles", 9, 3)]
 _FIRST_PROGRAM = ("the first program: q_row = kv_row = 0, 6 tiles, 2 stages", 6, 2, 64, 0, 0)
 _PRODUCER_ARGS = ["n_tiles", "NUM_STAGES", "BLOCK_N", "q_row", "kv_row"]
-_D = 64                                  # the head dim of the trace (bytes per tile: BLOCK_N x 64 x 2)
+_DIMS = (64, 128)                        # the head dims of the trace, case by case (bytes per tile: BLOCK_N x d x 2)
 _BLOCK_M = 128
 _EXPECT_BOTH = "mbarrier.expect(full.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)"
 _Q_FIRST = ("mbarrier.expect(q_bar, q_desc.block_type.nbytes); tma_load(q_desc, [q_row, 0], q_bar, q_smem), before "
             "the loop")
 
 
+def _pcase(name, n_tiles, num_stages, block_n, q_row, kv_row, d):
+    c = Case(name, n_tiles, num_stages, block_n, q_row, kv_row, note=f"head dim d = {d}: a tile is BLOCK_N x d x 2 bytes")
+    c.d = d
+    return c
+
+
 def _producer_cases():
-    cases = [Case(name, n, s, (64, 128)[i % 2], 384 + 128 * i, 3 * 1024 + 512 * (i % 3))
+    """Rows where the kernel puts them: q_row = (batch, head) * N + the query block, kv_row = (batch, KV head) * Nk,
+    so with a ragged N or Nk neither is a multiple of a tile (some cases here are not); d = 64 and 128 by turns."""
+    cases = [_pcase(name, n, s, (64, 128)[i % 2], 384 + 128 * i + 3 * (i % 2), 3 * 1024 + 512 * (i % 3) + 40 * (i % 2),
+                    _DIMS[(i // 2) % 2])
              for i, (name, n, s) in enumerate(_PRODUCER_FIXED)]
-    cases += [Case(f"random #{i}", n, s, (64, 128)[i % 2], 128 * (i + 1), 2048 * (i % 4 + 1))
+    cases += [_pcase(f"random #{i}", n, s, (64, 128)[i % 2], 128 * (i + 1), 2048 * (i % 4 + 1) + 17 * (i % 3),
+                     _DIMS[(i // 2) % 2])
               for i, (n, s, c) in enumerate(random_cases(112, 40)) if c == 1]
-    return cases + [Case(*_FIRST_PROGRAM)]
+    return cases + [_pcase(*_FIRST_PROGRAM, _DIMS[0])]
+
+
+def _case_d(case) -> int:
+    return getattr(case, "d", _DIMS[0])
 
 
 def _in_gluon(text: str) -> str:
@@ -418,12 +432,12 @@ class _Misuse(Exception):
     """A use of the barriers or the TMA that the simulator does not model: (what, hint, fix)."""
 
 
-def _producer_ops(events, n_tiles, num_stages, block_n, q_row, kv_row):
+def _producer_ops(events, n_tiles, num_stages, block_n, q_row, kv_row, d=_DIMS[0]):
     """The traced events as the simulator's producer ops (wait_empty, load, load_q) and notes for its hints ({tile:
     why its wait is missing}), after checking what the simulator takes on trust: each TMA copy's source row,
     destination, barrier and the bytes each barrier expects, in the producer's own order."""
     from .pipeline import load as load_op, load_q, wait_empty
-    tile_bytes, q_bytes = block_n * _D * 2, _BLOCK_M * _D * 2
+    tile_bytes, q_bytes = block_n * d * 2, _BLOCK_M * d * 2
     ops, notes, fills, q = [], {}, {}, {"expect": 0, "loads": 0, "src": set(), "skipped": False}
     copies = {"k_desc": 0, "v_desc": 0}                  # K and V copies so far: the k-th of each is tile k
     skipped = {"wait": False, "copy": set(), "expect": set()}
@@ -461,6 +475,13 @@ def _producer_ops(events, n_tiles, num_stages, block_n, q_row, kv_row):
                            "full[s] counts the bytes of K_j and V_j, two blocks of BLOCK_N rows; Q's block is "
                            "BLOCK_M rows, and with another BLOCK_N the counts differ", _EXPECT_BOTH))
         if fill["expect"] != 2 * tile_bytes:
+            other_d = fill["expect"] / (4 * block_n)          # the head dim for which the count is two tiles
+            if other_d in _DIMS and other_d != d:             # the kernel runs at d = 64 and 128
+                raise _Misuse((f"stage {s} (tile {j}): full.index({s}) expects {fill['expect']} bytes: two tiles at "
+                               f"d = {int(other_d)}" + (" (or one at this d)" if fill["expect"] == tile_bytes else "")
+                               + f", but this case's head dim is d = {d} ({2 * tile_bytes} bytes)",
+                               "a byte count written for one head dim: the bytes of a tile are BLOCK_N x d x 2, so "
+                               "read them from the descriptors (the kernel runs at d = 64 and 128)", _EXPECT_BOTH))
             if fill["expect"] == tile_bytes:
                 what = "one tile's bytes (K's or V's alone)"
                 then = ("full[s] completes as soon as the first copy lands, and the consumer reads the other "
@@ -630,22 +651,23 @@ def fa3_producer(g):
     producer = g.learner_fn
     cases = _producer_cases()
 
-    def traced(n_tiles, num_stages, block_n, q_row, kv_row):
+    def traced(n_tiles, num_stages, block_n, q_row, kv_row, d=_DIMS[0]):
         try:
-            return trace_producer(producer, n_tiles, num_stages, block_n=block_n, d=_D, q_row=q_row, kv_row=kv_row,
+            return trace_producer(producer, n_tiles, num_stages, block_n=block_n, d=d, q_row=q_row, kv_row=kv_row,
                                   block_m=_BLOCK_M)
         except TraceError as e:
             return e
 
     for case in cases:
         n_tiles, num_stages, block_n, q_row, kv_row = case.args
-        events = g.call(case, fn=traced)
+        d = _case_d(case)
+        events = g.call(case, fn=lambda *a, d=d: traced(*a, d=d))
         if isinstance(events, TraceError):
             g.fail(f"the trace stopped: {events}", hint=events.hint or "write the producer with mbarrier.expect / "
                    "mbarrier.wait, the TMA load and index(s) on the rings, as the exercise's table shows",
                    fix=events.fix)
         try:
-            ops, notes = _producer_ops(events, n_tiles, num_stages, block_n, q_row, kv_row)
+            ops, notes = _producer_ops(events, n_tiles, num_stages, block_n, q_row, kv_row, d)
         except _Misuse as e:
             what, hint, fix = e.args[0]
             g.fail(what, hint=hint, fix=fix)
