@@ -1019,3 +1019,10 @@ def test_forward_launch_binds_every_argument_and_sizes_the_grid(monkeypatch, var
     (_, grid, args), = calls
     assert grid == want_grid
     assert ("BH" in args) == (variant != "one") and args.get("BH", B * H) == B * H and args["CAUSAL"] is True
+
+
+def test_producer_stage_by_bitmask_is_named_as_the_stage(tmp_path, no_compile):
+    """j & (NUM_STAGES - 1) is j % NUM_STAGES only for powers of two: with 3 or 5 stages the first thing wrong is the
+    stage both the wait and the load use, not their parity."""
+    rejects(check.fa3_producer, _producer(tmp_path, stage="s = j & (NUM_STAGES - 1)"),
+            "the consumers read it from stage", "s = j % NUM_STAGES")

@@ -142,6 +142,12 @@ def _walk(raw, ops, num_tiles, num_stages, num_consumers, notes=None):
             s, p = op[2], op[3]
             if waited == (s, p):
                 continue                                   # the same wait again: harmless
+            if k < num_tiles and s == stage_of[k] != read_at.get(k, s) and read_at[k] == k % S:
+                # the wait and the load agree on a stage the consumers do not read: the stage, computed before both,
+                # is the first thing wrong (j & (S - 1) is j % S only when S is a power of two)
+                return (f"the producer loads tile {k} into stage {s} (its wait on empty[{s}] too), the consumers read "
+                        f"it from stage {read_at[k]}: both must use the same stage, s = j % num_stages",
+                        "s = j % num_stages")
             if k < num_tiles and s == stage_of[k] and p == expected_parity("empty", rounds[k]):
                 waited = (s, p)
                 had_wait.add(k)
