@@ -103,6 +103,10 @@ def call_with_limit(fn, *args, limit: float | None = None, **kwargs):
                 return
             state["fired"] = True
             _async_raise(thread_id, CaseTimeout)
+            # again until the call ends: a raise that lands in a weakref callback or a __del__ is swallowed
+            state["timer"] = threading.Timer(_RETRY, fire)
+            state["timer"].daemon = True
+            state["timer"].start()
 
     state["timer"] = threading.Timer(limit, fire)
     state["timer"].daemon = True
@@ -132,7 +136,9 @@ def _call_with_alarm(fn, args, kwargs, limit):
         if time.monotonic() < give_up and _importing(frame, limit_code):
             signal.setitimer(signal.ITIMER_REAL, _RETRY)
             return
-        state["running"] = False
+        # re-armed until the call's own `finally` stops it: a raise that lands in a weakref callback or a __del__
+        # (the meter's finalizers) is printed and swallowed, and a one-shot alarm then let a spin run for ever
+        signal.setitimer(signal.ITIMER_REAL, _RETRY)
         raise CaseTimeout
 
     previous = signal.signal(signal.SIGALRM, on_alarm)

@@ -208,6 +208,28 @@ def test_a_hang_in_a_metered_call_gets_a_verdict_too(monkeypatch):
         demo(spin)
 
 
+def test_a_swallowed_time_limit_fires_again(monkeypatch):
+    """A raise that lands where Python swallows it (a weakref callback, a __del__: the meter has finalizers) must not
+    leave the spin running: the limit fires again until the call ends (a one-shot alarm hung CI's worker)."""
+    monkeypatch.setenv("COURSE_CASE_TIMEOUT", "0.5")
+
+    @checking.exercise("demo_swallowed", arg_names=["x"])
+    def demo(g):
+        g.call(Case("swallowed once", torch.zeros(3)))
+    checking.REGISTRY.pop("demo_swallowed")
+
+    def spin(x):
+        try:
+            while True:
+                pass
+        except BaseException:       # noqa: BLE001 - what a finalizer does to an exception raised inside it
+            pass
+        while True:
+            pass
+    with pytest.raises(CheckFailure, match="still running after 0.5 s"):
+        demo(spin)
+
+
 def test_the_limit_is_configurable_and_checked(monkeypatch):
     monkeypatch.setenv("COURSE_CASE_TIMEOUT", "0")
     assert checking.case_timeout() is None
