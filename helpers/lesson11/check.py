@@ -414,10 +414,6 @@ def _producer_cases():
     return cases + [_pcase(*_FIRST_PROGRAM, _DIMS[0])]
 
 
-def _case_d(case) -> int:
-    return getattr(case, "d", _DIMS[0])
-
-
 def _in_gluon(text: str) -> str:
     """A simulator hint or fix in the Gluon exercise's words."""
     for sim, gl in (("wait_empty(s, (j // num_stages + 1) % 2), then load(s, j)",
@@ -666,7 +662,7 @@ def fa3_producer(g):
 
     for case in cases:
         n_tiles, num_stages, block_n, q_row, kv_row = case.args
-        d = _case_d(case)
+        d = case.d                                        # set by _pcase
         events = g.call(case, fn=lambda *a, d=d: traced(*a, d=d))
         if isinstance(events, TraceError):
             g.fail(f"the trace stopped: {events}", hint=events.hint or "write the producer with mbarrier.expect / "
