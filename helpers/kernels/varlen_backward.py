@@ -181,10 +181,13 @@ def _bwd_dq_varlen(
 # some: the timing decides); the dQ kernel's two, and at d = 128 its 64 x 32 tile, the one that fits the 99 KB of
 # sm_86/89. The first of each that fits is what runs where nothing is timed. On Hopper a batch of short documents
 # (``VarlenBatch.length_class``) adds the 32 x 32 tile in two stages to both: a 32-token document's keys (dK/dV)
-# or rows (dQ) in one tile, and more programs side by side on an SM (the forward's short set says why).
+# or rows (dQ) in one tile, and more programs side by side on an SM (the forward's short set says why). At d = 128
+# the dK/dV kernel's small tile also comes in two stages: a key block of a packed row loops over few query tiles per
+# head, three times per head (the upper band, the unmasked middle, the lower band), and each loop fills and drains
+# its software pipeline; two stages fill faster and keep more programs on an SM (bench/NOTES.md, packed backward).
 _VARLEN_BWD_SHAPES = {
     "dkdv": {64: [(32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
-             128: [(128, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)], 256: _DKDV_SHAPES_256},
+             128: [(128, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 2)], 256: _DKDV_SHAPES_256},
     "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
            256: _DQ_SHAPES_256},
 }
