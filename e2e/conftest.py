@@ -8,10 +8,14 @@
   ``chromium`` (Debian's package), else Playwright's own download if there is one. With
   none, the tests are skipped with the reason, or fail when ``COURSE_E2E_REQUIRED=1``
   (CI sets it).
+- One page per worker (``lab_page``) holds the lab: the first notebook loads it, each later one is opened in it as
+  a learner opens the next notebook, after the one before is closed and its kernel shut down (loading the lab is
+  most of what the browser does per notebook).
 - Screenshots go to ``artifacts/e2e/`` (git ignores ``artifacts/``).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,11 +23,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -79,6 +84,7 @@ class Lab:
     token: str
     root: Path       # the throwaway copy the server serves
     log: Path
+    _shutdowns: list = field(default_factory=list)    # kernel shutdowns still under way
 
     def url(self, notebook: str) -> str:
         """A fresh workspace per notebook, so no earlier tab (and kernel) is restored."""
@@ -91,9 +97,26 @@ class Lab:
             body = r.read()
         return json.loads(body) if body else None
 
-    def shut_down_kernels(self):
+    def shut_down_kernels(self, wait: bool = True):
+        """Shut every kernel of the lab down; ``wait=False``: in a thread, joined by ``wait_for_shutdowns``."""
         for session in self.api("sessions"):
-            self.api(f"sessions/{session['id']}", method="DELETE")
+            if wait:
+                self.api(f"sessions/{session['id']}", method="DELETE")
+            else:
+                thread = threading.Thread(target=self._delete_quietly, args=(f"sessions/{session['id']}",))
+                thread.start()
+                self._shutdowns.append(thread)
+
+    def _delete_quietly(self, path: str):
+        try:
+            self.api(path, method="DELETE")
+        except (urllib.error.URLError, OSError):
+            pass          # the server is gone, and its kernels with it
+
+    def wait_for_shutdowns(self):
+        for thread in self._shutdowns:
+            thread.join(timeout=60)
+        self._shutdowns.clear()
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -144,6 +167,7 @@ def lab(tmp_path_factory, originals):
                 pytest.fail(f"JupyterLab did not start:\n{the_lab.log_tail()}", pytrace=False)
             time.sleep(0.5)
     yield the_lab
+    the_lab.wait_for_shutdowns()
     server.terminate()
     try:
         server.wait(timeout=30)
@@ -175,6 +199,83 @@ def browser():
                          + str(e).splitlines()[0])
         yield b
         b.close()
+
+
+PANEL = "window.jupyterapp.shell.currentWidget"      # the notebook in front
+VIEWPORT = {"width": 1400, "height": 1000}
+_KERNEL_IDLE = f"""() => {{
+    const panel = {PANEL};
+    const kernel = panel && panel.sessionContext && panel.sessionContext.session
+                   && panel.sessionContext.session.kernel;
+    return !!kernel && kernel.status === 'idle';
+}}"""
+# the documents open in the main area (a launcher the lab opens when the area is empty is none)
+_DOCUMENTS = "() => [...window.jupyterapp.shell.widgets('main')].filter(w => w.context).map(w => w.context.path)"
+
+
+class LabPage:
+    """The worker's page with the lab in it: ``open`` a notebook in it as a learner does."""
+
+    def __init__(self, lab: Lab, browser):
+        self.lab, self.browser = lab, browser
+        self.page = None
+        self.errors: list[str] = []     # JavaScript errors raised in the page since the last open
+
+    def open(self, notebook: str):
+        """``notebook`` (a path in the lab's copy) in front, the only document, its kernel started and idle.
+        The first one loads the lab at it; each later one is opened by the lab's own command (File > Open) once
+        the documents before are closed. Returns the page."""
+        if self.page is None:
+            self.page = self.browser.new_page(viewport=VIEWPORT)
+            self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+            self.errors.clear()
+            self.page.goto(self.lab.url(notebook))
+        else:
+            self._close_documents()
+            self.errors.clear()
+            self.page.evaluate("async path => { await window.jupyterapp.commands.execute('docmanager:open', {path}); }",
+                               notebook)
+        # the app object appears some time after the page's load event: test for it before using it
+        self.page.wait_for_function(f"path => !!(window.jupyterapp && {PANEL} && {PANEL}.sessionContext"
+                                    f" && {PANEL}.context.path === path)", arg=notebook, timeout=120_000)
+        self.page.evaluate(f"async () => {{ await {PANEL}.context.ready; await {PANEL}.sessionContext.ready; }}")
+        self.page.wait_for_function(_KERNEL_IDLE, timeout=120_000)
+        documents = self.page.evaluate(_DOCUMENTS)
+        assert documents == [notebook], f"the lab shows {documents}, not only {notebook}"
+        return self.page
+
+    @contextlib.contextmanager
+    def closed_on_error(self):
+        """For a with-block: an exception in it closes the page (its state is unknown then), so that the next
+        notebook loads the lab afresh."""
+        try:
+            yield
+        except BaseException:
+            self.discard()
+            raise
+
+    def _close_documents(self):
+        """Close every document as it is (the copies are throwaway: no save, no prompt) and shut their kernels
+        down, in the background."""
+        self.page.evaluate("""() => { for (const w of [...window.jupyterapp.shell.widgets('main')]) {
+            if (w.context) { w.context.model.dirty = false; }
+            w.dispose();
+        } }""")
+        self.lab.shut_down_kernels(wait=False)
+
+    def discard(self):
+        if self.page is not None:
+            self.page.close()
+            self.page = None
+        self.lab.shut_down_kernels()
+
+
+@pytest.fixture(scope="session")
+def lab_page(lab, browser):
+    """One page per worker, kept from notebook to notebook (loading the lab is most of what the browser does)."""
+    the_page = LabPage(lab, browser)
+    yield the_page
+    the_page.discard()
 
 
 @pytest.fixture(scope="session")
