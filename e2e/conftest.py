@@ -38,6 +38,8 @@ ARTIFACTS = ROOT / "artifacts" / "e2e"
 COURSE_FOLDERS = ("notebooks", "solutions")
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+JUPYTER = Path(sys.executable).parent / "jupyter"
+NO_JUPYTER = f"no jupyter next to {sys.executable}: run `make setup` first"
 # JupyterLab settings for the throwaway profile: no news or update checks (no network here),
 # every cell kept in the page (no windowing), no autosave of the copies.
 LAB_SETTINGS = {
@@ -130,9 +132,8 @@ def originals():
 
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory, originals):
-    jupyter = Path(sys.executable).parent / "jupyter"
-    if not jupyter.exists():
-        _unavailable(f"no jupyter next to {sys.executable}: run `make setup` first")
+    if not JUPYTER.exists():
+        _unavailable(NO_JUPYTER)
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "course"
     for folder in COURSE_FOLDERS:
@@ -147,7 +148,7 @@ def lab(tmp_path_factory, originals):
                JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"))
     port, token = _free_port(), uuid.uuid4().hex
-    cmd = [str(jupyter), "lab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+    cmd = [str(JUPYTER), "lab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
            "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
            f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
            "--LabApp.extension_manager=readonly", "--ServerApp.terminals_enabled=False"]
@@ -183,20 +184,49 @@ def _chromium_path() -> str | None:
     return None
 
 
+def _launch(playwright):
+    """Chromium: ``$COURSE_CHROMIUM``, else the system's, else Playwright's download."""
+    path = _chromium_path()
+    return playwright.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS) if path else \
+        playwright.chromium.launch(args=CHROMIUM_FLAGS)
+
+
+def _no_chromium(error: Exception) -> str:
+    return ("no Chromium found (Debian: `apt-get install chromium`; or set COURSE_CHROMIUM): "
+            + str(error).splitlines()[0])
+
+
+NO_PLAYWRIGHT = "Playwright is not installed: run `make setup`"
+
+
+def why_no_lab() -> str | None:
+    """Why the lab tests cannot run here (None: they can): the look-up the ``lab`` and ``browser`` fixtures make, a
+    JupyterLab next to this Python, Playwright, a Chromium that starts."""
+    if not JUPYTER.exists():
+        return NO_JUPYTER
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return NO_PLAYWRIGHT
+    with sync_playwright() as p:
+        try:
+            _launch(p).close()
+        except Exception as e:                      # no browser at all
+            return _no_chromium(e)
+    return None
+
+
 @pytest.fixture(scope="session")
 def browser():
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        _unavailable("Playwright is not installed: run `make setup`")
-    path = _chromium_path()
+        _unavailable(NO_PLAYWRIGHT)
     with sync_playwright() as p:
         try:
-            b = p.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS) if path else \
-                p.chromium.launch(args=CHROMIUM_FLAGS)
+            b = _launch(p)
         except Exception as e:                      # no browser at all
-            _unavailable("no Chromium found (Debian: `apt-get install chromium`; or set COURSE_CHROMIUM): "
-                         + str(e).splitlines()[0])
+            _unavailable(_no_chromium(e))
         yield b
         b.close()
 
@@ -282,3 +312,13 @@ def lab_page(lab, browser):
 def artifacts():
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS
+
+
+if __name__ == "__main__":
+    # `make check` asks once whether the lab tests run here: "1" if so (the learner copies then run there only),
+    # else nothing, and why on stderr.
+    reason = why_no_lab()
+    if reason:
+        print(f"e2e cannot run the learner notebooks here ({reason}): nbval runs them", file=sys.stderr)
+    else:
+        print(1)
