@@ -124,10 +124,13 @@ class Lab:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
+# The learner's and the worked notebooks as they were before any test ran (read as pytest collects e2e/).
+_ORIGINALS = {f: _tree_sha(ROOT / f) for f in COURSE_FOLDERS}
+
+
 @pytest.fixture(scope="session")
 def originals():
-    """The learner's and the worked notebooks as they were before the suite ran."""
-    return {f: _tree_sha(ROOT / f) for f in COURSE_FOLDERS}
+    return _ORIGINALS
 
 
 @pytest.fixture(scope="session")
