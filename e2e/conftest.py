@@ -89,7 +89,7 @@ class Lab:
     _shutdowns: list = field(default_factory=list)    # kernel shutdowns still under way
 
     def url(self, notebook: str) -> str:
-        """A fresh workspace per notebook, so no earlier tab (and kernel) is restored."""
+        """The lab at ``notebook`` in a fresh workspace, so no earlier tab (and kernel) is restored."""
         return f"{self.base}/lab/workspaces/e2e-{uuid.uuid4().hex[:8]}/tree/{notebook}?token={self.token}"
 
     def api(self, path: str, method: str = "GET"):
@@ -284,7 +284,8 @@ class LabPage:
         try:
             yield
         except BaseException:
-            self.discard()
+            with contextlib.suppress(Exception):     # the test's own error is the one to report
+                self.discard()
             raise
 
     def _close_documents(self):
