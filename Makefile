@@ -84,33 +84,39 @@ run-solutions: setup  ## (maintainers) re-run every worked notebook in place, sa
 	COURSE_STRICT=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 	  --ExecutePreprocessor.timeout=600 solutions/[0-9][0-9]_*.ipynb
 
-# Lessons whose GPU part needs Triton; every other worked notebook is run with `import triton` failing
-# (tests/hide_modules), as on macOS and Windows: one run proves both that it passes and that it needs no
-# Triton. (tests/test_learner_machines.py checks what 07, 08 and 10 do without Triton.)
+# The notebooks (under nbval) and the browser tests run through one pytest plugin, e2e/notebook_runs.py: a notebook's
+# cells stay on one worker, the long runs go out first, and each worked notebook's kernel runs strict
+# (COURSE_STRICT=1: every exercise must pass) and, but for the TRITON_LESSONS (whose GPU part needs Triton), with
+# `import triton` failing (tests/hide_modules), as on macOS and Windows: one run proves both that it passes and that
+# it needs no Triton. (tests/test_learner_machines.py checks what 07, 08 and 10 do without Triton.)
 TRITON_LESSONS := 07 08 10
-TRITON_SOLUTIONS := $(foreach n,$(TRITON_LESSONS),$(wildcard solutions/$(n)_*.ipynb))
-CPU_SOLUTIONS := $(filter-out $(TRITON_SOLUTIONS),$(sort $(wildcard solutions/[0-9][0-9]_*.ipynb)))
+RUNS  = $(BIN)/python -m pytest -p no:cacheprovider -p e2e.notebook_runs --triton-lessons="$(TRITON_LESSONS)" \
+        -n $(WORKERS) --dist loadscope --no-loadscope-reorder
+NBVAL = --nbval-lax --nbval-current-env --nbval-cell-timeout=600
+SOLUTIONS := $(sort $(wildcard solutions/[0-9][0-9]_*.ipynb))
 
 check-solutions: setup  ## run every worked notebook; every exercise must pass (COURSE_STRICT=1)
-	COURSE_STRICT=1 COURSE_TEST_HIDE=triton PYTHONPATH=$(CURDIR)/tests/hide_modules:$(CURDIR) \
-	  $(BIN)/python -m pytest $(NBVAL) $(CPU_SOLUTIONS)
-	COURSE_STRICT=1 $(BIN)/python -m pytest $(NBVAL) $(TRITON_SOLUTIONS)
+	$(RUNS) $(NBVAL) $(SOLUTIONS)
 
 check-notebooks: setup  ## run every learner notebook; exercises show "not attempted"
-	$(BIN)/python -m pytest $(NBVAL) notebooks
+	$(RUNS) $(NBVAL) notebooks
 
 e2e: setup  ## every notebook run in JupyterLab in headless Chromium, on a copy, and the site's pages (screenshots: artifacts/)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist worksteal e2e
+	$(RUNS) -q e2e
 
 site: setup  ## the course as a static site in build/site/: the worked notebooks as saved, the results (offline; no re-run)
 	$(BIN)/python site/build.py --repo $(CURDIR) --out build/site
 
-# Each learner copy runs once in `make check`: in JupyterLab by `make e2e` (which checks what nbval does, no error,
-# and more: nothing on stderr, figures, widgets, a ⏳ per exercise) where e2e is required (COURSE_E2E_REQUIRED=1,
-# as in CI: no browser is a failure there), and by nbval too elsewhere, where e2e skips without a browser.
-LEARNER_CHECK := $(if $(filter 1,$(COURSE_E2E_REQUIRED)),,check-notebooks)
+# `make check` runs check-solutions, e2e and, where e2e cannot run the learner copies, check-notebooks as one pytest
+# session, so that xdist balances them together. Each learner copy runs once: in JupyterLab by e2e (which checks what
+# nbval does, no error, and more: nothing on stderr, figures, widgets, a ⏳ per exercise) where e2e runs here, else by
+# nbval. Decided once, as check's command is made: COURSE_E2E_REQUIRED=1 (CI: no browser is a failure) says e2e runs;
+# else e2e/conftest.py's own look-up (JupyterLab, Playwright, a Chromium that starts), after which e2e is required.
+LAB_HERE = $(if $(filter 1,$(COURSE_E2E_REQUIRED)),1,$(shell $(BIN)/python e2e/conftest.py))
+check_run = $(if $(1),COURSE_E2E_REQUIRED=1 )$(RUNS) $(NBVAL) $(SOLUTIONS) $(if $(1),,notebooks )e2e
 
-check: test check-solutions $(LEARNER_CHECK) e2e  ## everything CI runs: unit tests, nbval over solutions/ (and notebooks/ unless e2e is required), e2e
+check: test  ## everything CI runs: unit tests, then nbval over solutions/ (and notebooks/ where e2e cannot run) and e2e
+	$(call check_run,$(LAB_HERE))
 
 # The GPU targets run with the venv's Python where there is one, else the machine's (a GPU box with torch and triton).
 GPU_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))

@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from helpers.grade import exercises_in
-from conftest import ROOT, COURSE_FOLDERS, _tree_sha
+from conftest import ROOT, COURSE_FOLDERS, PANEL, _tree_sha
 
 RUN_TIMEOUT_MS = 600_000          # one notebook, Run All (notebook 07 runs Triton's interpreter on a CPU)
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -23,25 +23,21 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 # pass strict under nbval (make check-solutions) and their saved outputs hold no error or stderr
 # (tests/test_lesson_form.py), so opening each of them in the lab too would repeat those runs.
 WORKED_IN_LAB = ("01_online_softmax.ipynb",)
-NOTEBOOKS = [f"notebooks/{p.name}" for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))] + \
-            [f"solutions/{name}" for name in WORKED_IN_LAB]
+# The learner copy of the first exercise is run and checked here by test_first_exercise.py, on a copy of its own,
+# before the learner's answer goes in (one run of it, not two).
+FIRST_EXERCISE = "01_online_softmax.ipynb"
+NOTEBOOKS = [f"notebooks/{p.name}" for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+             if p.name != FIRST_EXERCISE] + [f"solutions/{name}" for name in WORKED_IN_LAB]
 
-_PANEL = "window.jupyterapp.shell.currentWidget"
-_KERNEL_IDLE = f"""() => {{
-    const panel = {_PANEL};
-    const kernel = panel && panel.sessionContext && panel.sessionContext.session
-                   && panel.sessionContext.session.kernel;
-    return !!kernel && kernel.status === 'idle';
-}}"""
 _ALL_RUN = f"""() => {{
-    const panel = {_PANEL};
+    const panel = {PANEL};
     const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
     const code = panel.content.widgets.filter(c => c.model.type === 'code' && c.model.sharedModel.getSource().trim());
     return !!kernel && kernel.status === 'idle'
            && code.every(c => c.model.executionCount !== null && c.model.executionState !== 'running');
 }}"""
 # One record per cell (the notebook's own order), from the model and from what is on screen.
-_CELLS = f"""() => {_PANEL}.content.widgets.map((cell, index) => {{
+_CELLS = f"""() => {PANEL}.content.widgets.map((cell, index) => {{
     const area = cell.node.querySelector('.jp-OutputArea');
     const outputs = cell.model.type === 'code' ? cell.model.outputs.toJSON() : [];
     return {{
@@ -56,24 +52,20 @@ _CELLS = f"""() => {_PANEL}.content.widgets.map((cell, index) => {{
         sliders: area ? area.querySelectorAll('.widget-slider .noUi-handle').length : 0,
     }};
 }})"""
-_REDRAWN = """([index, before]) => {
-    const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
+_REDRAWN = f"""([index, before]) => {{
+    const cell = {PANEL}.content.widgets[index].node;
     const img = cell && cell.querySelector('.widget-output img');
     return !!img && img.complete && img.naturalWidth > 0 && img.getAttribute('src') !== before;
-}"""
+}}"""
 
 
-def _open_and_run_all(page, lab, notebook):
-    page.goto(lab.url(notebook))
-    # the app object appears some time after the page's load event: test for it before using it
-    page.wait_for_function(f"() => !!(window.jupyterapp && {_PANEL} && {_PANEL}.sessionContext)",
-                           timeout=120_000)
-    page.evaluate(f"async () => {{ await {_PANEL}.context.ready; await {_PANEL}.sessionContext.ready; }}")
-    page.wait_for_function(_KERNEL_IDLE, timeout=120_000)
+def run_all(lab_page, notebook):
+    """Open ``notebook`` in the lab and Run All; returns the page and a record per cell (``_CELLS``)."""
+    page = lab_page.open(notebook)
     # resolves once every cell ran (false if one raised: the error shows in its outputs)
     page.evaluate("async () => await window.jupyterapp.commands.execute('notebook:run-all-cells')")
-    page.wait_for_function(_ALL_RUN, timeout=RUN_TIMEOUT_MS, polling=500)
-    return page.evaluate(_CELLS)
+    page.wait_for_function(_ALL_RUN, timeout=RUN_TIMEOUT_MS, polling=100)
+    return page, page.evaluate(_CELLS)
 
 
 def _move_first_slider(page, cell, timeout_ms):
@@ -97,15 +89,13 @@ def _move_first_slider(page, cell, timeout_ms):
     return []
 
 
-def inspect(page, lab, notebook, verdict, redraw_timeout_ms=120_000):
+def inspect(lab_page, notebook, verdict, redraw_timeout_ms=120_000):
     """Open ``notebook`` in the lab, Run All, and list what a learner would see go wrong.
 
     ``verdict`` is "todo" (every check cell shows ⏳) or "pass" (✅). Returns
     ``(problems, widget_cells)``; ``problems`` is empty when all is well.
     """
-    page_errors = []
-    page.on("pageerror", lambda e: page_errors.append(str(e)))
-    cells = _open_and_run_all(page, lab, notebook)
+    page, cells = run_all(lab_page, notebook)
     problems = []
 
     # 1. No error, nothing on stderr, anywhere.
@@ -139,12 +129,12 @@ def inspect(page, lab, notebook, verdict, redraw_timeout_ms=120_000):
             problems += _move_first_slider(page, c, redraw_timeout_ms)
 
     # 4. One verdict per exercise: ⏳ for a learner copy, ✅ for a worked notebook.
-    nb = nbformat.read(lab.root / notebook, as_version=4)
+    nb = nbformat.read(lab_page.lab.root / notebook, as_version=4)
     for index, exercise in exercises_in(nb):
         want = f"⏳ {exercise} not attempted yet" if verdict == "todo" else f"✅ {exercise} passed: "
         if want not in cells[index]["text"]:
             problems.append(f"cell {index}: should say {want!r}, shows {cells[index]['text'][:200]!r}")
-    problems += [f"JavaScript error in the page: {e}" for e in page_errors]
+    problems += [f"JavaScript error in the page: {e}" for e in lab_page.errors]
 
     # 5. Bring the (moved) widget, else the last figure, into view for the screenshot.
     shown = [c["index"] for c in widget_cells] or [c["index"] for c in cells if c["images"]]
@@ -164,16 +154,12 @@ def _draws(notebook: str) -> bool:
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
-def test_notebook_runs_in_jupyterlab(notebook, lab, browser, artifacts):
+def test_notebook_runs_in_jupyterlab(notebook, lab_page, artifacts):
     folder, name = notebook.split("/")
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    try:
-        problems, _ = inspect(page, lab, notebook, "todo" if folder == "notebooks" else "pass")
-        page.screenshot(path=str(artifacts / f"{folder}__{name.removesuffix('.ipynb')}.png"))
-        assert not problems, f"{notebook} in JupyterLab:\n  " + "\n  ".join(problems)
-    finally:
-        page.close()
-        lab.shut_down_kernels()
+    with lab_page.closed_on_error():
+        problems, _ = inspect(lab_page, notebook, "todo" if folder == "notebooks" else "pass")
+        lab_page.page.screenshot(path=str(artifacts / f"{folder}__{name.removesuffix('.ipynb')}.png"))
+    assert not problems, f"{notebook} in JupyterLab:\n  " + "\n  ".join(problems)
 
 
 PLANTED = [
@@ -187,18 +173,14 @@ PLANTED = [
 ]
 
 
-def test_the_inspector_sees_each_planted_problem(lab, browser):
+def test_the_inspector_sees_each_planted_problem(lab, lab_page):
     """The checks above can fail: a notebook with one of each problem is reported on each."""
     (lab.root / "planted").mkdir(exist_ok=True)
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in PLANTED])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, lab.root / "planted" / "00_planted.ipynb")
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    try:
-        problems, widget_cells = inspect(page, lab, "planted/00_planted.ipynb", "pass", redraw_timeout_ms=5_000)
-    finally:
-        page.close()
-        lab.shut_down_kernels()
+    with lab_page.closed_on_error():     # its figure never changes, so no wait sees it redrawn: a short one does
+        problems, widget_cells = inspect(lab_page, "planted/00_planted.ipynb", "pass", redraw_timeout_ms=1_000)
     report = "\n".join(problems)
     assert [c["index"] for c in widget_cells] == [1]
     assert "cell 1: slider moved 0.0 -> 1.0 but the figure was not redrawn" in report, report

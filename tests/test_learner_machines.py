@@ -6,6 +6,7 @@ Lessons 01-06 and 09 must pass strict without Triton; lesson 07 must say so in o
 recorded H200 results and stop, with no traceback; lessons 08 and 10 likewise at their GPU sections, after
 their CPU exercises passed.
 """
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -91,18 +92,26 @@ def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value):
 # ------------------------------------------------------------------ every worked notebook without Triton
 def test_make_check_runs_every_lesson_without_a_gpu_part_with_triton_hidden():
     """`make check-solutions` runs each worked notebook but 07, 08, 10 with `import triton` failing
-    (strict: every exercise must pass), so that one nbval run is also the no-Triton run."""
+    (strict: every exercise must pass), so that one nbval run is also the no-Triton run. The kernels get their
+    variables from e2e/notebook_runs.py, given the Makefile's TRITON_LESSONS."""
     if shutil.which("make") is None:
         pytest.skip("needs GNU make")
     dry = subprocess.run(["make", "-n", "--no-print-directory", "check-solutions", f"BIN={Path(sys.executable).parent}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60).stdout.replace("\\\n", " ")
-    [hidden] = [line for line in dry.splitlines() if "COURSE_TEST_HIDE=triton" in line]
-    [plain] = [line for line in dry.splitlines() if "nbval" in line and "COURSE_TEST_HIDE" not in line]
-    assert "COURSE_STRICT=1" in hidden and f"PYTHONPATH={HIDE}:" in hidden and "COURSE_STRICT=1" in plain
-    ran_hidden = {p.name for p in WORKED if f"solutions/{p.name}" in hidden.split()}
-    ran_plain = {p.name for p in WORKED if f"solutions/{p.name}" in plain.split()}
+    [run] = [line for line in dry.splitlines() if "nbval" in line]
+    assert "-p e2e.notebook_runs " in run, run
+    lessons = set(run.split('--triton-lessons="', 1)[1].split('"', 1)[0].split())
+    spec = importlib.util.spec_from_file_location("notebook_runs", ROOT / "e2e" / "notebook_runs.py")
+    runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runs)
+    envs = {p.name: runs.kernel_env(ROOT / p, lessons) for p in map(Path, run.split()) if p.suffix == ".ipynb"}
+    assert set(envs) == {p.name for p in WORKED}, run
+    assert all(env["COURSE_STRICT"] == "1" for env in envs.values()), envs
+    hidden = {name for name, env in envs.items()
+              if env.get("COURSE_TEST_HIDE") == "triton" and env["PYTHONPATH"].startswith(f"{HIDE}{os.pathsep}")}
     gpu = {p.name for p in WORKED if p.name.startswith(("07_", "08_", "10_"))}
-    assert ran_hidden == {p.name for p in WORKED} - gpu and ran_plain == gpu
+    assert hidden == {p.name for p in WORKED} - gpu
+    assert not any("COURSE_TEST_HIDE" in envs[name] for name in gpu), envs
 
 
 def test_lesson_08_without_triton_runs_its_cpu_part_then_shows_the_h200_results_and_stops(hide, monkeypatch):

@@ -117,17 +117,47 @@ def test_this_venvs_jupyterlab_starts_without_the_news_popup(tmp_path):
         "this venv's JupyterLab lacks the course's overrides: run `make setup`"
 
 
-@pytest.mark.parametrize("required, nbval_learner", [("1", False), ("", True), ("0", True)])
-def test_check_runs_each_learner_copy_once_where_e2e_is_required(course, required, nbval_learner):
-    """`make check` runs the learner copies by nbval only where e2e may skip (no COURSE_E2E_REQUIRED=1); e2e and
-    nbval over solutions/ always."""
+@pytest.mark.parametrize("required, lab_here, nbval_learner", [("1", False, False), ("", False, True),
+                                                                ("0", False, True), ("", True, False)])
+def test_check_runs_each_learner_copy_once(course, required, lab_here, nbval_learner):
+    """`make check` runs the learner copies by nbval only where e2e cannot run them: not with COURSE_E2E_REQUIRED=1,
+    nor where e2e/conftest.py's look-up (a pretend venv Python here) finds the lab can run, after which e2e is required
+    (a browser found then is not skipped later). nbval over solutions/ and e2e always, in the same pytest session."""
     _setup_done(course, CUDA_SPEC)
+    worked = {p.name for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")}
+    (course / "solutions").mkdir()
+    for name in worked:
+        (course / "solutions" / name).touch()
+    if lab_here:
+        python = course / ".venv" / "bin" / "python"
+        python.write_text('#!/bin/sh\n[ "$1" = e2e/conftest.py ] && echo 1\n')
+        python.chmod(0o755)
     dry = _make(course, "check", f"COURSE_E2E_REQUIRED={required}").stdout
-    lines = dry.splitlines()
-    assert any(re.search(r"pytest .*--nbval-lax.* notebooks$", ln) for ln in lines) == nbval_learner, dry
-    assert any(ln.rstrip().endswith(" e2e") for ln in lines), dry                  # e2e always
-    assert sum("COURSE_STRICT=1" in ln and "--nbval-lax" in ln for ln in lines) + \
-        sum(ln.startswith("COURSE_STRICT=1 COURSE_TEST_HIDE") for ln in lines) == 2, dry   # nbval over solutions/
+    [run] = [ln for ln in dry.splitlines() if " e2e.notebook_runs " in ln]
+    assert run.endswith(" notebooks e2e" if nbval_learner else ".ipynb e2e"), run      # e2e always
+    assert run.startswith("COURSE_E2E_REQUIRED=1 ") != nbval_learner, run
+    assert "--nbval-lax" in run and '--triton-lessons="07 08 10"' in run, run
+    assert {p.split("/")[-1] for p in run.split() if p.startswith("solutions/")} == worked, run  # nbval over solutions/
+
+
+def test_the_notebook_plugin_gives_each_kernel_its_variables(tmp_path):
+    """e2e/notebook_runs.py (the plugin of `make check-solutions` and `make check`) starts a worked notebook's kernel
+    with COURSE_STRICT=1 and, but for the --triton-lessons, `import triton` failing; a learner copy's with neither."""
+    import nbformat
+    from importlib.util import find_spec
+    no_triton_here = find_spec("triton") is None
+    for path, strict, hidden in [("solutions/01_a.ipynb", True, True), ("solutions/07_a.ipynb", True, False),
+                                 ("notebooks/01_a.ipynb", False, False)]:
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+            "import os, importlib.util\n"
+            f"assert (os.environ.get('COURSE_STRICT') == '1') == {strict}, os.environ.get('COURSE_STRICT')\n"
+            f"assert (importlib.util.find_spec('triton') is None) == {hidden or no_triton_here}")]), tmp_path / path)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        "-p", "e2e.notebook_runs", "--triton-lessons=07 08 10", "--nbval-lax", "--nbval-current-env",
+                        "solutions", "notebooks"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "3 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("uid, root", [("0", True), ("1000", False)])
