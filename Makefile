@@ -33,7 +33,7 @@ truthy   = $(if $(filter 1 y yes true on,$(call lower,$(1))),1)
 boolean  = $(if $(filter-out 0 1 n y no yes false true off on,$(call lower,$(1))),$(error $(2)=$(1): use $(2)=1 or $(2)=0),$(call truthy,$(1)))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup check-setup lab grade check check-gpu test notebooks check-notebooks check-solutions run-solutions \
+.PHONY: help setup check-setup lab grade check check-runs check-gpu test notebooks check-notebooks check-solutions run-solutions \
         e2e site bench clean
 
 help:  ## list the targets
@@ -115,8 +115,10 @@ site: setup  ## the course as a static site in build/site/: the worked notebooks
 LAB_HERE = $(if $(filter 1,$(COURSE_E2E_REQUIRED)),1,$(shell $(BIN)/python e2e/conftest.py))
 check_run = $(if $(1),COURSE_E2E_REQUIRED=1 )$(RUNS) $(NBVAL) $(SOLUTIONS) $(if $(1),,notebooks )e2e
 
-check: test  ## everything CI runs: unit tests, then nbval over solutions/ (and notebooks/ where e2e cannot run) and e2e
+check-runs: setup  ## (check's second part) nbval over solutions/ (and notebooks/ where e2e cannot run) and e2e, one session
 	$(call check_run,$(LAB_HERE))
+
+check: test check-runs  ## everything CI runs: the unit tests, then check-runs
 
 # The GPU targets run with the venv's Python where there is one, else the machine's (a GPU box with torch and triton).
 GPU_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
