@@ -1,10 +1,10 @@
 """Every ``@triton.jit`` kernel the course launches, compiled for one GPU target by Triton's own compiler, no GPU.
 
     python -m tests.compile_kernels 90 ["dense forward" ...]     # prints one JSON line per compile
-    python -m tests.compile_kernels --drive OUT_DIR 2 '{"90": [...], "75": [...]}'   # one child per target
+    python -m tests.compile_kernels --drive OUT_DIR 2 '{"90": [...], "75": [...]}'   # two workers share every target
 
-Run as a child process by tests/test_compile_targets.py: Triton decides between its interpreter and its compiler
-when a kernel is decorated, so this process starts with TRITON_INTERPRET off (tests/conftest.py turns it on for
+Run by tests/test_compile_targets.py in the background: Triton decides between its interpreter and its compiler
+when a kernel is decorated, so these processes start with TRITON_INTERPRET off (tests/conftest.py turns it on for
 the test process itself). Each job is ``triton.compile(ASTSource(fn, signature, constexprs, attrs),
 target=GPUTarget("cuda", cc, 32))`` with the launch options the course uses (num_warps, num_stages), as
 bench/compile_decode_sm90.py does for the decode kernel: TTIR, TTGIR, LLVM IR, PTX and a cubin through the
@@ -668,55 +668,140 @@ def jobs_for(cc, kernels):
     return jobs
 
 
-def run(cc, kernels):
-    """Compile every job for ``cc``; yield one result dict per job (never raises for a kernel's error)."""
+def _cpu():  # this process's CPU time and its finished children's (ptxas)
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ch.ru_utime + ch.ru_stime
+
+
+def compile_job(cc, job):
+    """Compile one job for sm_cc: a result dict (kernel, config, cc, ok, shared or error, seconds, cpu_seconds, and
+    the job's meta); never raises for a kernel's error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
-    target = GPUTarget("cuda", cc, 32)
-    def cpu():  # this process's CPU time and its finished children's (ptxas)
-        ch = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return time.process_time() + ch.ru_utime + ch.ru_stime
-
-    for job in jobs_for(cc, kernels):
-        t0, c0 = time.perf_counter(), cpu()
-        res = dict(kernel=job.kernel, config=job.config, cc=cc, **job.meta)
-        try:
-            fn, sig, const, attrs, cfg = job.build()
-            opts = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
-            k = triton.compile(ASTSource(fn, sig, const, attrs), target=target, options=opts)
-            res.update(shared=k.metadata.shared, ok=True)
-        except Exception as e:  # noqa: BLE001 - reported to the test, which names kernel, config and target
-            msg = "".join(traceback.format_exception_only(type(e), e)).strip()
-            res.update(ok=False, error=f"{type(e).__name__}: {msg[-3000:]}")
-        res.update(seconds=round(time.perf_counter() - t0, 2), cpu_seconds=round(cpu() - c0, 2))
-        yield res
+    t0, c0 = time.perf_counter(), _cpu()
+    res = dict(kernel=job.kernel, config=job.config, cc=cc, **job.meta)
+    try:
+        fn, sig, const, attrs, cfg = job.build()
+        opts = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+        k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cc, 32), options=opts)
+        res.update(shared=k.metadata.shared, ok=True)
+    except Exception as e:  # noqa: BLE001 - reported to the test, which names kernel, config and target
+        msg = "".join(traceback.format_exception_only(type(e), e)).strip()
+        res.update(ok=False, error=f"{type(e).__name__}: {msg[-3000:]}")
+    res.update(seconds=round(time.perf_counter() - t0, 2), cpu_seconds=round(_cpu() - c0, 2))
+    return res
 
 
 def main(argv):
     cc = int(argv[0])
-    for res in run(cc, argv[1:] or kernels_for(cc)):
-        print(json.dumps(res), flush=True)
+    for job in jobs_for(cc, argv[1:] or kernels_for(cc)):
+        print(json.dumps(compile_job(cc, job)), flush=True)
+
+
+# The driver and its workers. Each worker imports torch, Triton and the notebooks once and lists every target's
+# jobs; the driver hands out the jobs one at a time, slowest target first (sm_75: no tensor cores, each forward
+# ~15 CPU-s), so both workers stay busy to the end and no target waits on a tail. Their lines start with RESULT
+# (ptxas's errors print to stdout too).
+RESULT = "@@compile_kernels@@ "
+ORDER = (75, 90, 80, 86, 89)  # the order the targets' jobs are handed out (and their results complete)
+
+
+def serve(plan):
+    """A worker: lists the jobs of ``plan`` ({cc: [kernel, ...]}) and prints them ({cc: [[kernel, config], ...]}),
+    then compiles the job each stdin line names ("cc index"), printing its result."""
+    jobs = {cc: jobs_for(cc, kernels) for cc, kernels in plan.items()}
+    print(RESULT + json.dumps({str(cc): [[j.kernel, j.config] for j in js] for cc, js in jobs.items()}), flush=True)
+    for line in sys.stdin:
+        cc, i = map(int, line.split())
+        print(RESULT + json.dumps(dict(compile_job(cc, jobs[cc][i]), index=i)), flush=True)
 
 
 def drive(out_dir, plan, parallel):
-    """Compile ``plan`` ({cc: [kernel, ...]}) in one child per target, ``parallel`` at a time, slowest first
-    (sm_75: no tensor cores, big kernels). Each target's results land in out_dir/compile_sm<cc>.jsonl when its
-    child is done, or its error output in compile_sm<cc>.failed."""
+    """Compile ``plan`` ({cc: [kernel, ...]}) in ``parallel`` workers that share every target's jobs. Each target's
+    results land in out_dir/compile_sm<cc>.jsonl (in its jobs' order) when its last job is done, or a worker's error
+    output in compile_sm<cc>.failed (a worker that dies in a job is replaced; that job is reported failed)."""
     import subprocess
-    from concurrent.futures import ThreadPoolExecutor
+    import threading
 
-    def one(cc):
+    lock = threading.Lock()
+    state = dict(todo=None, counts=None)
+    results = {cc: {} for cc in plan}
+
+    def finish(cc):
         out = os.path.join(out_dir, f"compile_sm{cc}")
-        proc = subprocess.run([sys.executable, "-m", "tests.compile_kernels", str(cc), *plan[cc]],
-                              capture_output=True, text=True)
         with open(out + ".tmp", "w") as f:
-            f.write(proc.stdout if proc.returncode == 0 else f"exit {proc.returncode}\n{proc.stderr[-4000:]}")
-        os.replace(out + ".tmp", out + (".jsonl" if proc.returncode == 0 else ".failed"))
+            f.writelines(json.dumps(results[cc][i]) + "\n" for i in range(state["counts"][cc]))
+        os.replace(out + ".tmp", out + ".jsonl")
 
-    order = sorted(plan, key=lambda cc: (cc != 75, -cc))
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
-        list(pool.map(one, order))
+    def fail_all(why):
+        for cc in plan:
+            if state["counts"] is None or len(results[cc]) < state["counts"][cc]:
+                out = os.path.join(out_dir, f"compile_sm{cc}")
+                with open(out + ".tmp", "w") as f:
+                    f.write(why)
+                os.replace(out + ".tmp", out + ".failed")
+
+    def record(cc, i, res):
+        with lock:
+            results[cc][i] = res
+            if len(results[cc]) == state["counts"][cc]:
+                finish(cc)
+
+    def read_result(proc):
+        for line in proc.stdout:
+            if line.startswith(RESULT):
+                return json.loads(line[len(RESULT):])
+        return None
+
+    def worker(n):
+        log = os.path.join(out_dir, f"compile_worker{n}.log")
+        for _ in range(3):  # a worker that dies in a job is replaced (twice)
+            with open(log, "w") as err:
+                proc = subprocess.Popen([sys.executable, "-m", "tests.compile_kernels", "--serve", json.dumps(plan)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+            listed = read_result(proc)
+            if listed is None:  # it could not list the jobs (an import error): nothing will compile
+                proc.wait()
+                with lock:
+                    fail_all(f"exit {proc.returncode}\n{open(log).read()[-4000:]}")
+                return
+            listed = {int(cc): js for cc, js in listed.items()}
+            counts = {cc: len(js) for cc, js in listed.items()}
+            with lock:
+                if state["counts"] is None:
+                    state["counts"] = counts
+                    state["todo"] = [(cc, i) for cc in sorted(plan, key=lambda c: ORDER.index(c))
+                                     for i in range(counts[cc])]
+                    for cc in plan:
+                        if counts[cc] == 0:
+                            finish(cc)
+            while True:
+                with lock:
+                    if not state["todo"]:
+                        proc.stdin.close()
+                        proc.wait()
+                        return
+                    cc, i = state["todo"].pop(0)
+                proc.stdin.write(f"{cc} {i}\n")
+                proc.stdin.flush()
+                res = read_result(proc)
+                if res is None:  # the worker died in this job
+                    proc.wait()
+                    kernel, config = listed[cc][i]
+                    record(cc, i, dict(kernel=kernel, config=config, cc=cc, ok=False, seconds=0, cpu_seconds=0,
+                                       error=f"the compiling process died (exit {proc.returncode}):\n"
+                                             f"{open(log).read()[-3000:]}"))
+                    break
+                record(cc, i, {k: v for k, v in res.items() if k != "index"})
+        with lock:
+            fail_all(f"the compiling processes kept dying: {open(log).read()[-4000:]}")
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(parallel)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 if __name__ == "__main__":
@@ -726,5 +811,7 @@ if __name__ == "__main__":
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if sys.argv[1] == "--drive":  # --drive OUT_DIR PARALLEL PLAN_JSON
         drive(sys.argv[2], {int(k): v for k, v in json.loads(sys.argv[4]).items()}, int(sys.argv[3]))
+    elif sys.argv[1] == "--serve":  # --serve PLAN_JSON (a worker of drive)
+        serve({int(k): v for k, v in json.loads(sys.argv[2]).items()})
     else:
         main(sys.argv[1:])

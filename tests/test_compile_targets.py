@@ -7,12 +7,13 @@ and sm_75 (T4), in the configurations the launcher would use there. A kernel pas
 configuration compiles (TTIR to a cubin through Triton's ptxas) and takes no more shared memory than one block
 may have there. The interpreter that runs the other tests on a CPU checks neither.
 
-The compiling runs in child processes, one per target, two at a time, with TRITON_INTERPRET off
-(tests/conftest.py turns it on for this process, and Triton reads it when a kernel is decorated). The
-first test to need a result starts them all; their results land in pytest's base temp folder, which the
-workers of ``pytest -n 2`` share, and so does Triton's cache: nothing is written into the repo. The
-launchers' decisions that need a GPU's capability (which configurations fit, TMA, bf16) are plain
-functions, tested at the end for every target without compiling.
+The compiling runs in two worker processes (tests/compile_kernels.py --drive) with TRITON_INTERPRET off
+(tests/conftest.py turns it on for this process, and Triton reads it when a kernel is decorated). They share
+every target's jobs, the slowest target (sm_75) first, and each target's results land in pytest's base temp
+folder when its last job is done; the workers of ``pytest -n 2`` share that folder, and so does Triton's cache:
+nothing is written into the repo. The first test to need a result starts them. The launchers' decisions that
+need a GPU's capability (which configurations fit, TMA, bf16) are plain functions, tested at the end for every
+target without compiling.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from tests.compile_kernels import TARGETS, kernels_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD_TIMEOUT = 900  # seconds to wait for one target's compiles
-PARALLEL = 2  # compile children at a time (CI has two cores)
+PARALLEL = 2  # compile workers (CI has two cores)
 
 CASES = [(cc, k) for cc in TARGETS for k in kernels_for(cc)]
 
@@ -57,8 +58,8 @@ def _selected_kernels(session, cc):
 def compiled(tmp_path_factory, request):
     """``compiled(cc) -> [result, ...]``: one dict per compile (kernel, config, ok, error, shared, seconds).
 
-    The first test to ask starts one driver (tests/compile_kernels.py --drive) for every target at once, two
-    children at a time; every test, in whichever xdist worker, waits for its target's file."""
+    The first test to ask starts one driver (tests/compile_kernels.py --drive) for every target at once, with
+    two workers; every test, in whichever xdist worker, waits for its target's file."""
     shared_dir = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
         shared_dir = shared_dir.parent  # one folder for every xdist worker of this run
