@@ -56,7 +56,7 @@ def _selected_kernels(session, cc):
     wanted = set()
     for item in session.items:
         params = item.callspec.params if hasattr(item, "callspec") else {}
-        if params.get("cc") == cc or (cc in MMA_V2 and item.originalname == MMA_V2_TEST):
+        if params.get("cc") == cc or (cc in MMA_V2 and getattr(item, "originalname", None) == MMA_V2_TEST):
             wanted.add(params.get("kernel"))
     return [k for k in kernels_for(cc) if k in wanted]
 
