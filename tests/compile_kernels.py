@@ -1,27 +1,53 @@
-"""Every ``@triton.jit`` kernel the course launches, compiled for one GPU target by Triton's own compiler, no GPU.
+"""Every ``@triton.jit`` kernel the course launches, compiled for the GPUs learners have by Triton's own compiler, no GPU.
 
     python -m tests.compile_kernels 90 ["dense forward" ...]     # prints one JSON line per compile
-    python -m tests.compile_kernels --drive OUT_DIR 2 '{"90": [...], "75": [...]}'   # one child per target
+    python -m tests.compile_kernels --drive OUT_DIR 2 '{"90": [...], "75": [...]}'   # two workers share every target
 
-Run as a child process by tests/test_compile_targets.py: Triton decides between its interpreter and its compiler
-when a kernel is decorated, so this process starts with TRITON_INTERPRET off (tests/conftest.py turns it on for
+Run by tests/test_compile_targets.py in the background: Triton decides between its interpreter and its compiler
+when a kernel is decorated, so these processes start with TRITON_INTERPRET off (tests/conftest.py turns it on for
 the test process itself). Each job is ``triton.compile(ASTSource(fn, signature, constexprs, attrs),
 target=GPUTarget("cuda", cc, 32))`` with the launch options the course uses (num_warps, num_stages), as
 bench/compile_decode_sm90.py does for the decode kernel: TTIR, TTGIR, LLVM IR, PTX and a cubin through the
 ptxas that ships in Triton's wheel. What the interpreter lets through and the compiler rejects (a constexpr
 that is not one, a bf16 conversion, a layout) fails here.
 
-Which configurations: on every target, each configuration the launcher would try there
-(``helpers.kernels.common.launch_configs`` prunes the autotune sets by the GPU's shared memory) in fp16 at
-d = 128, the fixed ones of the teaching launchers, the kernels defined in the worked notebooks' cells (taken
-from solutions/*.ipynb, as the tests take them) and the checker's probe. Every variant (masks, score mods,
-dropout, odd head dims, layouts, d = 64) once, on sm_80 (``VARIANT_TARGETS``): a constexpr branch is the same
-code on every target and an sm_80 compile is the cheapest with tensor cores; what is Hopper's own (TMA, the
-tiles only sm_90 keeps, bf16 with every configuration's shared-memory proof) on sm_90. A test's planted-bug
-kernels run only in the maintainers' GPU test runs (an H200), so they compile for sm_90 only.
+Which compiles (each job exists for one of these reasons; a job that would prove nothing another does not is left
+out):
+
+* Every kernel on every target in its base form: its usual call (causal; the decode kernel on a paged cache; the
+  block-sparse forward with a sliding window, its backward with documents and softcap) in fp16 at d = 128 (64
+  where nothing fits: the backward on a T4), in the first configuration the launcher keeps there
+  (``helpers.kernels.common.launch_configs`` prunes the autotune sets by the GPU's shared memory). The test checks
+  its shared memory against the target's and the launcher's estimate.
+* The shared-memory proof of every configuration a launcher keeps where shared memory prunes (sm_80: 163 KB,
+  sm_86 and sm_89: 99 KB). Triton lowers sm_80, sm_86 and sm_89 alike (mma.sync and cp.async, the same passes;
+  for these kernels the targets differ in ptxas's --gpu-name and in LLVM's SLP vectoriser, off for sm_80, both
+  after shared memory is allocated), so one compile of a configuration gives its shared memory on all three (the
+  test checks that the jobs compiled on several of them agree). sm_86 (``SMEM_TARGET``) compiles every
+  configuration the 99 KB GPUs keep, sm_80 those only it keeps (estimated over 99 KB), sm_89 its base forms. A
+  configuration whose num_warps another of the same list shares, with no smaller BLOCK_M, BLOCK_N or num_stages,
+  is represented by that one: Triton's buffers grow with each, so its shared memory is no larger
+  (``_undominated``). On sm_90 nothing is pruned (227 KB; its configurations run natively in `make check-gpu` on
+  the H200): its base forms, the TMA paths in their largest configuration, and every candidate of the packed
+  kernels (their launchers time them and leave out, silently, one that fails: this is where it would show).
+* Every constexpr branch once on a tensor-core target, sm_80 (``VARIANT_TARGET``: a constexpr branch is the same
+  code on every target, and an sm_80 compile is the cheapest with tensor cores). As covering sets: one compile
+  turns on every switch that does not exclude another (full, not causal; a window; softcap with ALiBi; dropout;
+  ragged tiles; atomic dQ; a head dim that is not a multiple of 8, ``ODD_D``, so padded and with unaligned
+  strides; bf16), and only values that exclude each other (a page size under or over the tile, head-major or
+  not, a mask kind) get jobs of their own. The padded head dim with aligned strides (``PADDED_D`` = 80, computed
+  in 128-wide tiles: the shared memory and the estimate of d = 128) stands in for one of the configurations only
+  sm_80 keeps. A block body several kernels share (forward._attn_fwd_rows, backward._bwd_dkdv_group and
+  _bwd_dq_rows) has its branches compiled in the dense kernels' jobs; the packed kernels that call it compile
+  their own code's (the sequence lookup, ALiBi's per-sequence slope, the paged loop).
+* Hopper's own on sm_90: TMA (in the configuration with the most shared memory, and with the switches on in
+  bf16), the short-document tiles only sm_90 adds, bf16 on wgmma.
+* A test's planted-bug kernels run only in the maintainers' GPU test runs (an H200): they compile for sm_90, each
+  planted branch once.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -40,6 +66,12 @@ TARGETS = {
     80: dict(gpus="A100", smem=163 * 1024, bf16=True),
     75: dict(gpus="T4", smem=64 * 1024, bf16=False),
 }
+HOPPER = 90
+VARIANT_TARGET = 80  # every constexpr branch once (covering sets), and the configurations only it keeps
+SMEM_TARGET = 86  # every configuration the 99 KB GPUs keep (sm_89 has sm_86's limit and lowering)
+MMA_V2 = (80, 86, 89)  # lowered alike: a configuration's shared memory is the same on all three
+PADDED_D = 80  # a head dim that is not a power of two (computed 128 wide, masked along d)
+ODD_D = 59  # a head dim that is not a multiple of 8 (computed 64 wide, rows not 16-byte aligned: unvectorised)
 
 
 @dataclass
@@ -89,24 +121,35 @@ def _torch_dtype(name):
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
-def _configs(kind, d, dtype, cc):
-    """The configurations the launcher of ``kind`` would try on a GPU of compute capability ``cc``."""
+def _cap(cc):
+    return cc // 10, cc % 10
+
+
+def _configs(kind, d, dtype, cc, **shape):
+    """The configurations the launcher of ``kind`` would try on a GPU of compute capability ``cc`` (``shape``:
+    smem_estimate's extra arguments, atomic=True for the dK/dV kernel with atomic dQ)."""
     from helpers.kernels import common as kc
     if os.environ.get("COMPILE_EVERY_CONFIG"):  # what pruning leaves out too: to see what fits where
         return kc.launch_configs(kind, d, _torch_dtype(dtype))
-    return kc.launch_configs(kind, d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"])
+    return kc.fitting_configs(kind, kc._shapes(kind, d), d, _torch_dtype(dtype), _cap(cc), TARGETS[cc]["smem"],
+                              **shape)
+
+
+def _fits(kind):
+    """``fits(d, cc)``: the fp16 configurations the launcher of ``kind`` keeps on sm_cc at head dim d."""
+    return lambda d, cc: _configs(kind, d, "fp16", cc)
 
 
 def _meta(kind, cfg, d, dtype, cc, **kw):
     """What the test checks beyond compiling: the launcher's estimate of the shared memory (an upper bound)."""
     from helpers.kernels import common as kc
     elt = 4 if dtype == "fp32" else 2
-    return dict(d=d, estimate=kc.smem_estimate(kind, cfg, d, elt, (cc // 10, cc % 10), **kw))
+    return dict(d=d, estimate=kc.smem_estimate(kind, cfg, d, elt, _cap(cc), **kw))
 
 
 def _use_tma(cc, dtype):
     from helpers.kernels import common as kc
-    return kc.use_tma_for((cc // 10, cc % 10), _torch_dtype(dtype))
+    return kc.use_tma_for(_cap(cc), _torch_dtype(dtype))
 
 
 def _bd(d):
@@ -114,117 +157,118 @@ def _bd(d):
     return head_block(d)
 
 
-PADDED_D = 80  # a head dim that is not a power of two (computed 128 wide, masked along d): on VARIANT_TARGETS
-
-
-def _padded(cc, kind, variant):
-    """On VARIANT_TARGETS, one compile at d = PADDED_D in the first configuration the launcher keeps there."""
-    return [("fp16", PADDED_D, _configs(kind, PADDED_D, "fp16", cc)[0], variant)] if cc in VARIANT_TARGETS else []
-
-
 def _cfg_label(cfg):
     return " ".join(f"{k}={v}" for k, v in cfg.items())
 
 
-# ------------------------------------------------------------------ the tuned kernels (helpers/triton_*.py)
-# Every variant (masks, score mods, dropout, odd head dims, layouts) is compiled on one target, sm_80: a constexpr
-# branch is the same code on every target, and an sm_80 compile takes a third of an sm_90 one. What is Hopper's own
-# (TMA, the tiles only sm_90 keeps) is compiled on sm_90, with bf16 and every configuration's shared-memory proof;
-# every variant also runs natively there in `make check-gpu`.
-VARIANT_TARGETS = (80,)
-HOPPER = 90
-# Every configuration the launcher keeps is compiled where shared memory prunes them and no test runs natively:
-# sm_86 (99 KB, as sm_89) and sm_80 (163 KB). Elsewhere the first configuration: sm_90's configurations all run
-# natively in `make check-gpu` on the H200, sm_89 has sm_86's limits, sm_75 keeps one configuration anyway.
-ALL_CONFIG_TARGETS = (86, 80)
-BF16_TARGETS = (90,)  # bf16 too, on a Hopper (its shared memory and code paths are fp16's elsewhere: one dtype suffices there)
+def _undominated(cfgs, also=()):
+    """``cfgs`` less those another of ``cfgs`` or ``also`` represents: the same num_warps and no smaller BLOCK_M,
+    BLOCK_N or num_stages. Triton's shared memory (the pipelined tiles, the layout conversions' scratch) grows with
+    each, so that one's compile bounds this one's shared memory wherever both are kept."""
+    def covers(r, c):
+        return r != c and r["num_warps"] == c["num_warps"] and all(
+            r.get(k, 0) >= c.get(k, 0) for k in ("BLOCK_M", "BLOCK_N", "num_stages"))
+    out = []
+    for c in cfgs:
+        if c not in out and not any(covers(r, c) for r in (*cfgs, *also)):
+            out.append(c)
+    return out
 
 
-def _plan(cc, kind, variants, plain_extras=True):
-    """(dtype, d, cfg, variant) to compile: the configurations the launcher keeps on sm_cc (fp16, d = 128,
-    the first variant: the shared-memory proof; all of them on ALL_CONFIG_TARGETS); on VARIANT_TARGETS also each other variant and d = 64, on
-    BF16_TARGETS bf16, at the first configuration. (All of them everywhere would take CI many minutes.)
-    ``plain_extras=False``: no d = 64 and no bf16 of the plain kernel, where the kernel's window and score-mod jobs
-    already compile a bf16 kernel at d = 64 and its padded job d = 80 (the same code paths: once is the proof)."""
-    some = (lambda cfgs: cfgs) if cc in ALL_CONFIG_TARGETS else (lambda cfgs: cfgs[:1])
-    try:
-        plan = [("fp16", 128, cfg, variants[0]) for cfg in some(_configs(kind, 128, "fp16", cc))]
-    except ValueError:  # nothing fits at d = 128 (the backward on a T4): the launcher says so; compile d = 64
-        plan = [("fp16", 64, cfg, variants[0]) for cfg in some(_configs(kind, 64, "fp16", cc))]
-    first = plan[0][2]
-    if cc in VARIANT_TARGETS:
-        plan += [("fp16", 128, first, v) for v in variants[1:]]
-        if plain_extras:
-            plan += [("fp16", 64, _configs(kind, 64, "fp16", cc)[0], variants[0])]
-    if cc in BF16_TARGETS and plain_extras:
-        plan += [("bf16", 128, first, variants[0])]
+def _proof_configs(cc, kept_on):
+    """The configurations to compile on sm_cc, the launcher's first (the base form) first; ``kept_on(cc)``: those
+    the launcher keeps on sm_cc. SMEM_TARGET: every one it keeps (sm_89 keeps the same); VARIANT_TARGET: those only
+    it keeps (over 99 KB); both less those another represents (``_undominated``). Elsewhere the first: sm_89 is
+    proven on sm_86, sm_75 keeps one, sm_90 prunes nothing."""
+    kept = kept_on(cc)
+    if os.environ.get("COMPILE_EVERY_CONFIG"):
+        return kept
+    first = kept[0]
+    if cc == SMEM_TARGET:
+        extra = kept
+    elif cc == VARIANT_TARGET:
+        try:
+            small = kept_on(SMEM_TARGET)
+        except ValueError:
+            small = []
+        extra = [c for c in kept if c not in small]
+    else:
+        extra = []
+    return [first] + [c for c in _undominated(extra, (first,)) if c != first]
+
+
+def _plan(cc, fits, variant, padded=True):
+    """(dtype, d, cfg, variant) of the base form and the shared-memory proof on sm_cc: fp16, d = 128 (64 where
+    nothing fits at 128: the launcher says so), ``_proof_configs``. ``fits(d, cc)``: the configurations kept. On
+    VARIANT_TARGET with ``padded``, also PADDED_D: in place of the d = 128 compile of the last configuration only
+    sm_80 keeps (d = 80 is computed in d = 128's tiles, head_block: the same shared memory and estimate), in the
+    first where sm_80 keeps no other."""
+    for d in (128, 64):
+        try:
+            cfgs = _proof_configs(cc, functools.partial(fits, d))
+            break
+        except ValueError:
+            if d == 64:
+                raise
+    plan = [("fp16", d, cfg, variant) for cfg in cfgs]
+    if padded and cc == VARIANT_TARGET and d == 128:
+        cfg = plan[-1][2] if len(plan) > 1 else cfgs[0]
+        assert cfg in fits(PADDED_D, cc), (cfg, PADDED_D)
+        plan = plan[:-1] if len(plan) > 1 else plan
+        plan.append(("fp16", PADDED_D, cfg, variant))
     return plan
 
 
-# The FlashAttention library's window_size / softcap / alibi_slopes in the dense kernels (tests/test_triton_mods.py):
-# (WINDOW, SCORE_MOD) with SCORE_MOD 0 none, 1 softcap, 2 ALiBi. On VARIANT_TARGETS a window with softcap (fp16,
-# d = 128) and with ALiBi (bf16, d = 64) in the first configuration; the windowed forward also on MODS_FWD_TARGETS.
-# (Not sm_75: a T4's compile of a variant takes ptxas 15 to 40 s, and its code is sm_80's constexpr branch.)
-MODS_FWD_TARGETS = (80,)
+def _wide(cc, kind, variant):
+    """The backward at d = 256 (its own tile set) as ``_plan`` at d = 128: on sm_90, on sm_80 those only it keeps and
+    on SMEM_TARGET those the 99 KB GPUs keep (sm_89's are sm_86's; nothing fits a T4: the launcher raises a clear
+    error, tests/test_compile_targets.py checks it)."""
+    if cc not in (HOPPER, VARIANT_TARGET, SMEM_TARGET):
+        return []
+    return [("fp16", 256, cfg, variant) for cfg in _proof_configs(cc, functools.partial(_fits(kind), 256))]
+
+
+def _short_configs(kind, d, cc, smem_kind="varlen"):
+    """The configurations a batch of short documents adds to ``kind``'s set (``SHAPES[kind + "_short"]``, the
+    launchers' ``class_candidates``) that fit sm_cc's shared memory (none may fit)."""
+    from helpers.kernels import common as kc
+    extra = kc.SHAPES[f"{kind}_short"](d)
+    try:
+        return kc.fitting_configs(smem_kind, extra, d, _torch_dtype("fp16"), _cap(cc), TARGETS[cc]["smem"])
+    except ValueError:
+        return []
+
+
+# ------------------------------------------------------------------ the tuned kernels (helpers/kernels/)
 _MOD_NAMES = {0: "", 1: " softcap", 2: " ALiBi", 3: " softcap + ALiBi"}
 
 
-def _mods_plan(cc, kind, variant, fwd=False):
-    """(dtype, d, cfg, variant + (WINDOW, SCORE_MOD)) for the window and the score mods on sm_cc."""
-    if cc in VARIANT_TARGETS:
-        return [("fp16", 128, _configs(kind, 128, "fp16", cc)[0], (*variant, True, 1)),
-                ("bf16", 64, _configs(kind, 64, "bf16", cc)[0], (*variant, True, 2))]
-    if fwd and cc in MODS_FWD_TARGETS:  # d = 64 on a T4: without tensor cores d = 128 takes ptxas 45 s
-        d = 128 if cc >= 80 else 64
-        return [("fp16", d, _configs(kind, d, "fp16", cc)[0], (*variant, True, 0))]
-    return []
-
-
-# The dense kernels' newest switches: softcap with ALiBi (SCORE_MOD 3), dropout (DROPOUT) and a head dim that is not a
-# multiple of 8 (ODD_D: computed 64 wide, strides unaligned), on NEW_VARIANT_TARGETS in the first configuration.
-NEW_VARIANT_TARGETS = (80,)
-ODD_D = 59
-
-
-def _new_plan(cc, kind, variant, dtype="fp16"):
-    """(dtype, d, cfg, variant + (WINDOW, SCORE_MOD, DROPOUT)) on NEW_VARIANT_TARGETS: softcap with ALiBi and dropout
-    at d = 128 (64 on a T4, where nothing of the backward fits at 128); on VARIANT_TARGETS also a window with softcap
-    and ALiBi at ODD_D."""
-    if cc not in NEW_VARIANT_TARGETS:
-        return []
-    d = 128 if cc >= 80 else 64
-    plan = [(dtype, d, _configs(kind, d, dtype, cc)[0], (*variant, False, 3, True))]
-    if cc in VARIANT_TARGETS:  # ODD_D's code is the padded d's (d = 80, compiled everywhere) with other strides
-        plan.append((dtype, ODD_D, _configs(kind, ODD_D, dtype, cc)[0], (*variant, True, 3, False)))
-    return plan
-
-
-def _new_label(d, dropout):
-    return (" dropout" if dropout else "") + (" unaligned" if d % 8 else "")
-
-
 def _mods_sig(window, mod):
-    """The new arguments' part of a signature: the slopes pointer (None: not ALiBi), the constexpr switches."""
+    """The library's options' part of a signature: the slopes pointer (None: not ALiBi), the constexpr switches."""
     if mod & 2:
         return dict(SLOPES="fp32"), dict(WINDOW=window, SCORE_MOD=mod)
     return {}, dict(WINDOW=window, SCORE_MOD=mod, SLOPES=None)
 
 
-def _mods_label(window, mod):
-    return (" window" if window else "") + _MOD_NAMES[mod]
+def _mods_label(window, mod, d=128, dropout=False):
+    return (" window" if window else "") + _MOD_NAMES[mod] + (" dropout" if dropout else "") + \
+        (" unaligned" if d % 8 else "")
 
 
 def fwd_jobs(cc, dtypes):
+    """The dense forward. Its switches (CAUSAL, WINDOW, SCORE_MOD bits, DROPOUT) and a padded head dim (BLOCK_D >
+    HEAD_DIM) are independent: on VARIANT_TARGET one compile has all of them on (CAUSAL off: the other side of its
+    branches), beside the padded d with aligned strides. USE_TMA on sm_90."""
     from helpers.kernels import forward as kf
-    plan = _plan(cc, "fwd", [(True, False), (False, False)], plain_extras=False)  # (causal, TMA)
-    plan += _padded(cc, "fwd", (True, False))
-    if _use_tma(cc, "fp16"):  # TMA keeps Q and more K/V tiles in shared memory: the largest configuration
-        cfgs = _configs("fwd", 128, "fp16", cc)
-        plan += [("fp16", 128, max(cfgs, key=lambda c: _meta("fwd", c, 128, "fp16", cc)["estimate"]), (True, True))]
-    plan = [(dt, d, cfg, (*v, False, 0)) for dt, d, cfg, v in plan] + _mods_plan(cc, "fwd", (True, False), fwd=True)
-    plan = [(dt, d, cfg, (*v, False)) for dt, d, cfg, v in plan] + _new_plan(cc, "fwd", (True, False))
-    if cc == HOPPER:  # the drop-in's TMA path (token-major K, V) is the TMA kernel; with dropout once more
-        plan.append(("bf16", 128, _configs("fwd", 128, "bf16", cc)[0], (False, True, False, 3, True)))
+    plan = _plan(cc, _fits("fwd"), (True, False, False, 0, False))  # (causal, TMA, window, score mod, dropout)
+    if cc == VARIANT_TARGET:
+        plan.append(("bf16", ODD_D, _configs("fwd", ODD_D, "bf16", cc)[0], (False, False, True, 3, True)))
+    if _use_tma(cc, "fp16"):  # TMA keeps Q and more K/V tiles in shared memory: the largest configuration; and the
+        # library's drop-in path (token-major K, V through TMA) with the switches on (the window's is not TMA's:
+        # on together they took 11 CPU-s, apart 6), in bf16
+        big = max(_configs("fwd", 128, "fp16", cc), key=lambda c: _meta("fwd", c, 128, "fp16", cc)["estimate"])
+        plan += [("fp16", 128, big, (True, True, False, 0, False)),
+                 ("bf16", 128, _configs("fwd", 128, "bf16", cc)[0], (False, True, False, 3, True))]
     jobs = []
     for dtype, d, cfg, (causal, tma, window, mod, dropout) in plan:
         def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal, window=window, mod=mod, dropout=dropout):
@@ -239,32 +283,30 @@ def fwd_jobs(cc, dtypes):
                      CAUSAL=causal, USE_TMA=tma, DROPOUT=dropout, **consts), ints16=("N", "Nk"),
                 aligned_strides=d % 8 == 0)
             return fn, sig, const, attrs, cfg
-        jobs.append(Job("dense forward", f"{dtype} d={d} {'causal' if causal else 'full'}{_mods_label(window, mod)}"
-                        f"{_new_label(d, dropout)}{' TMA' if tma else ''} {_cfg_label(cfg)}", build,
+        jobs.append(Job("dense forward", f"{dtype} d={d} {'causal' if causal else 'full'}"
+                        f"{_mods_label(window, mod, d, dropout)}{' TMA' if tma else ''} {_cfg_label(cfg)}", build,
                         _meta("fwd", cfg, d, dtype, cc)))
     return jobs
 
 
 def decode_jobs(cc, dtypes):
+    """The decode kernel (flash_decode_triton, flash_attn_with_kvcache). Values that exclude each other get a job
+    each on VARIANT_TARGET: a page under the tile (the base form), none (head-major; token-major), over the tile;
+    a window, causal or neither; the other switches ride along."""
     from helpers.kernels import decode as kd
-    # (name, HEAD_MAJOR, PAGE, VARLEN, CAUSAL, DIRECT, group, nq, WINDOW, SCORE_MOD): the kvcache variants and
-    # flash_decode_triton
-    variants = [("kvcache paged 16", False, 16, True, True, False, 4, 1, False, 0),
-                ("flash_decode", True, 0, False, False, False, 4, 1, False, 0),
-                ("kvcache contiguous, causal Nq=4 x group 8", False, 0, True, True, False, 8, 4, False, 0),
-                ("kvcache paged 256, one split", False, 256, True, True, True, 4, 1, False, 0)]
-    plan = _plan(cc, "decode", variants, plain_extras=False) + _padded(cc, "decode", variants[0])
-    # window_size, softcap, alibi_slopes (SCORE_MOD bits 1, 2): at the first configuration, on sm_90 and on sm_80
-    # (the other shared-memory budget); their tiles are the plain kernel's, so these prove the code paths compile
-    mods = {90: [("fp16", ("kvcache paged 16, window + softcap", False, 16, True, False, False, 4, 1, True, 1)),
-                 ("bf16", ("kvcache paged 16, window + softcap", False, 16, True, False, False, 4, 1, True, 1)),
-                 ("fp16", ("kvcache contiguous Nq=4 x group 8, ALiBi", False, 0, True, True, False, 8, 4, False, 2))],
-            80: [("fp16", ("kvcache paged 256, window + softcap + ALiBi", False, 256, True, False, False, 4, 1,
-                           True, 3))]}
-    plan += [(dtype, 128, _configs("decode", 128, dtype, cc)[0], v) for dtype, v in mods.get(cc, [])]
-    if cc in VARIANT_TARGETS:  # flash_attn_with_kvcache takes any head dim: one not a multiple of 8
-        plan.append(("fp16", ODD_D, _configs("decode", ODD_D, "fp16", cc)[0],
-                     ("kvcache paged 16, softcap + ALiBi", False, 16, True, True, False, 4, 1, False, 3)))
+    # (name, HEAD_MAJOR, PAGE, VARLEN, CAUSAL, DIRECT, group, nq, WINDOW, SCORE_MOD)
+    plan = _plan(cc, _fits("decode"), ("kvcache paged 16", False, 16, True, True, False, 4, 1, False, 0))
+    if cc == VARIANT_TARGET:
+        cfg = _configs("decode", 128, "fp16", cc)[0]
+        plan += [("fp16", 128, cfg, ("flash_decode", True, 0, False, False, False, 4, 1, False, 0)),
+                 ("fp16", 128, cfg, ("kvcache contiguous, causal Nq=4 x group 8", False, 0, True, True, False, 8, 4,
+                                     False, 0)),
+                 ("bf16", ODD_D, _configs("decode", ODD_D, "bf16", cc)[0],
+                  ("kvcache paged 256, one split, window + softcap + ALiBi", False, 256, True, False, True, 4, 1,
+                   True, 3))]
+    if cc == HOPPER:  # bf16 on sm_90, every switch of the base form's path on
+        plan.append(("bf16", 128, _configs("decode", 128, "bf16", cc)[0],
+                     ("kvcache paged 16, window + softcap + ALiBi", False, 16, True, False, False, 4, 1, True, 3)))
     jobs = []
     for dtype, d, cfg, (name, head_major, page, varlen, causal, direct, group, nq, window, score_mod) in plan:
         def build(cfg=cfg, d=d, dtype=dtype, head_major=head_major, page=page, varlen=varlen, causal=causal,
@@ -284,28 +326,22 @@ def decode_jobs(cc, dtypes):
     return jobs
 
 
-def _wide(cc, kind, variant):
-    """The backward at d = 256 (its own tile set) in the first configuration the launcher keeps on sm_cc; none
-    where nothing fits (a T4: the launcher raises a clear error, tests/test_compile_targets.py checks it)."""
-    try:
-        return [("fp16", 256, _configs(kind, 256, "fp16", cc)[0], variant)]
-    except ValueError:
-        return []
-
-
 def bwd_jobs(cc, dtypes):
+    """The dense backward: the preprocess (contiguous, and strided: the dense backward's), the dK/dV and dQ
+    kernels, the dQ cast. On VARIANT_TARGET each kernel once with every switch on (full, ragged, a window, softcap
+    with ALiBi, dropout, atomic dQ, bf16 at ODD_D), the padded d, and atomic dQ at a power of two (the unmasked
+    adds, its fp32 tiles in the estimate)."""
     import helpers.kernels.backward as tb
     jobs = []
     for dtype in dtypes:
-        for d in (64, 128, PADDED_D) if cc in VARIANT_TARGETS and dtype == "fp16" else (128,):
+        for d in (128, PADDED_D) if cc == VARIANT_TARGET and dtype == "fp16" else (128,):
             def pre(d=d, dtype=dtype):
                 fn = tb._bwd_preprocess
                 sig, const, attrs = signature(fn, dict(O=dtype, DO=dtype, LSE="fp32", DELTA="fp32", LSE2="fp32"),
                                               (), dict(HEAD_DIM=d, BLOCK_M=tb._PRE_BLOCK_M, BLOCK_D=_bd(d)))
                 return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
             jobs.append(Job("backward preprocess", f"{dtype} d={d} BLOCK_M={tb._PRE_BLOCK_M}", pre))
-        for d in ((128, ODD_D) if cc in VARIANT_TARGETS else (128,)) if cc in NEW_VARIANT_TARGETS and dtype == "fp16" \
-                else ():
+        for d in ((128, ODD_D) if cc == VARIANT_TARGET else (128,)) if dtype == "fp16" else ():
             def pre_strided(d=d, dtype=dtype):  # the dense backward's: O and dO each with its own strides
                 fn = tb._bwd_preprocess_strided
                 sig, const, attrs = signature(fn, dict(O=dtype, DO=dtype, LSE="fp32", DELTA="fp32", LSE2="fp32"),
@@ -320,13 +356,12 @@ def bwd_jobs(cc, dtypes):
             return fn, sig, const, attrs, dict(num_warps=4, num_stages=3)
         jobs.append(Job("backward dQ cast", f"{dtype} BLOCK=1024", cast))
 
-    # (causal, atomic dQ, EVEN): EVEN = N, Nk multiples of the tiles (known when compiled: no ragged loops)
-    variants = [(True, False, True), (False, False, True), (True, False, False), (True, True, True)]
-    plan = _plan(cc, "dkdv", variants, plain_extras=False) + _padded(cc, "dkdv", (True, True, False)) + _wide(cc, "dkdv", variants[0])
-    plan = [(dt, d, cfg, (*v, False, 0)) for dt, d, cfg, v in plan] + _mods_plan(cc, "dkdv", (True, False, False))
-    plan = [(dt, d, cfg, (*v, False)) for dt, d, cfg, v in plan] + _new_plan(cc, "dkdv", (True, False, False))
-    if cc in VARIANT_TARGETS:  # dropout with the atomic dQ (its fp32 tiles in shared memory too)
-        plan.append(("fp16", 128, _configs("dkdv", 128, "fp16", cc)[0], (False, True, True, False, 1, True)))
+    # (causal, atomic dQ, EVEN, window, score mod, dropout); EVEN: N, Nk multiples of the tiles (no ragged loops)
+    base = (True, False, True, False, 0, False)
+    plan = _plan(cc, _fits("dkdv"), base) + _wide(cc, "dkdv", base)
+    if cc == VARIANT_TARGET:
+        plan += [("bf16", ODD_D, _configs("dkdv", ODD_D, "bf16", cc, atomic=True)[0], (False, True, False, True, 3, True)),
+                 ("fp16", 128, _configs("dkdv", 128, "fp16", cc, atomic=True)[0], (True, True, True, False, 0, False))]
     for dtype, d, cfg, (causal, atomic, even, window, mod, dropout) in plan:
         def dkdv(cfg=cfg, d=d, dtype=dtype, causal=causal, atomic=atomic, even=even, window=window, mod=mod,
                  dropout=dropout):
@@ -339,13 +374,14 @@ def bwd_jobs(cc, dtypes):
                 DQ_ATOMIC=atomic, EVEN=even, DROPOUT=dropout, **consts), ints16=("N", "Nk") if even else (),
                 aligned_strides=d % 8 == 0)
             return fn, sig, const, attrs, cfg
-        jobs.append(Job("backward dK/dV", f"{dtype} d={d} {'causal' if causal else 'full'}{_mods_label(window, mod)}"
-                        f"{_new_label(d, dropout)}{' atomic dQ' if atomic else ''}{'' if even else ' ragged'} "
-                        f"{_cfg_label(cfg)}", dkdv, _meta("dkdv", cfg, d, dtype, cc, atomic=atomic)))
-    variants = [(True, True), (False, True), (True, False)]
-    plan = _plan(cc, "dq", variants, plain_extras=False) + _padded(cc, "dq", (True, False)) + _wide(cc, "dq", variants[0])
-    plan = [(dt, d, cfg, (*v, False, 0)) for dt, d, cfg, v in plan] + _mods_plan(cc, "dq", (True, False))
-    plan = [(dt, d, cfg, (*v, False)) for dt, d, cfg, v in plan] + _new_plan(cc, "dq", (True, False))
+        jobs.append(Job("backward dK/dV", f"{dtype} d={d} {'causal' if causal else 'full'}"
+                        f"{_mods_label(window, mod, d, dropout)}{' atomic dQ' if atomic else ''}"
+                        f"{'' if even else ' ragged'} {_cfg_label(cfg)}", dkdv,
+                        _meta("dkdv", cfg, d, dtype, cc, atomic=atomic)))
+    base = (True, True, False, 0, False)  # (causal, EVEN, window, score mod, dropout)
+    plan = _plan(cc, _fits("dq"), base) + _wide(cc, "dq", base)
+    if cc == VARIANT_TARGET:
+        plan.append(("bf16", ODD_D, _configs("dq", ODD_D, "bf16", cc)[0], (False, False, True, 3, True)))
     for dtype, d, cfg, (causal, even, window, mod, dropout) in plan:
         def dq(cfg=cfg, d=d, dtype=dtype, causal=causal, even=even, window=window, mod=mod, dropout=dropout):
             fn = tb._bwd_dq
@@ -355,36 +391,32 @@ def bwd_jobs(cc, dtypes):
                 HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, EVEN=even,
                 DROPOUT=dropout, **consts), ints16=("N", "Nk") if even else (), aligned_strides=d % 8 == 0)
             return fn, sig, const, attrs, cfg
-        jobs.append(Job("backward dQ", f"{dtype} d={d} {'causal' if causal else 'full'}{_mods_label(window, mod)}"
-                        f"{_new_label(d, dropout)}{'' if even else ' ragged'} {_cfg_label(cfg)}", dq,
+        jobs.append(Job("backward dQ", f"{dtype} d={d} {'causal' if causal else 'full'}"
+                        f"{_mods_label(window, mod, d, dropout)}{'' if even else ' ragged'} {_cfg_label(cfg)}", dq,
                         _meta("dq", cfg, d, dtype, cc)))
     return jobs
 
 
 def varlen_jobs(cc, dtypes):
+    """The packed forward: the dense forward's block body (forward._attn_fwd_rows, its branches compiled in
+    fwd_jobs) behind a sequence lookup, or with paged K/V its own masked loop (_attn_fwd_rows_paged). On
+    VARIANT_TARGET its own code with the switches on: the paged loop with every one (and ALiBi's per-sequence
+    slope), and paged, causal at the padded d; on sm_90 TMA in bf16 and every tile a batch of short documents
+    adds."""
     import helpers.kernels.varlen as tv
-    plan = _plan(cc, "varlen", [False]) + _padded(cc, "varlen", False)  # TMA
-    if _use_tma(cc, "fp16"):  # the dense forward's body: its TMA path is compiled in every configuration above
-        plan += [("fp16", 128, plan[0][2], True)]
-    plan = [(dt, d, cfg, (tma, False, 0, False)) for dt, d, cfg, tma in plan]
-    if cc in VARIANT_TARGETS:  # the window with softcap: the dense body's lower band and score mod, packed
-        plan += [("fp16", 128, plan[0][2], (False, True, 1, False))]
-    if cc == HOPPER:  # a batch of short documents' extra tiles (the launcher adds them from sm_90)
-        plan += [("fp16", 128, cfg, (_use_tma(cc, "fp16"), False, 0, False)) for cfg in _short_configs("varlen", 128, cc)]
-    # the newest switches, packed: softcap with ALiBi and dropout (d = 128; 64 on a T4), and on VARIANT_TARGETS a
-    # window with both at ODD_D (unaligned strides, the pointer path)
-    plan += [(dt, d, cfg, (False, window, mod, dropout)) for dt, d, cfg, (_, window, mod, dropout)
-             in _new_plan(cc, "varlen", (True,))]
-    plan = [(dt, d, cfg, (*v, False)) for dt, d, cfg, v in plan]  # (..., PAGED)
-    if cc in NEW_VARIANT_TARGETS:  # paged K/V (block_table): a page lookup per key tile, one masked loop
-        d = 128 if cc >= 80 else 64
-        cfg = _configs("varlen", d, "fp16", cc)[0]
-        plan.append(("fp16", d, cfg, (False, False, 0, False, True)))
-        if cc in VARIANT_TARGETS:  # with every option
-            plan.append(("fp16", d, cfg, (False, True, 3, True, True)))
+    # (TMA, causal, window, score mod, dropout, paged)
+    plan = _plan(cc, _fits("varlen"), (False, True, False, 0, False, False), padded=False)
+    if cc == VARIANT_TARGET:
+        plan += [("fp16", 128, plan[0][2], (False, False, True, 3, True, True)),
+                 ("fp16", PADDED_D, _configs("varlen", PADDED_D, "fp16", cc)[0], (False, True, False, 0, False, True))]
+    if cc == HOPPER:
+        plan.append(("bf16", 128, plan[0][2], (True, True, False, 0, False, False)))
+        plan += [("fp16", 128, cfg, (_use_tma(cc, "fp16"), True, False, 0, False, False))
+                 for cfg in _short_configs("varlen", 128, cc)]
     jobs = []
-    for dtype, d, cfg, (tma, window, mod, dropout, paged) in plan:
-        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, window=window, mod=mod, dropout=dropout, paged=paged):
+    for dtype, d, cfg, (tma, causal, window, mod, dropout, paged) in plan:
+        def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal, window=window, mod=mod, dropout=dropout,
+                  paged=paged):
             fn = tv._attn_fwd_varlen
             bn = cfg["BLOCK_N"]
             desc = f"tensordesc<{dtype}[{bn}, {d}]>" if tma else None
@@ -392,96 +424,76 @@ def varlen_jobs(cc, dtypes):
             ptrs = dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32", SEQ_IDX="i32", Q_START="i32",
                         CU_Q="i32", CU_K="i32", **mod_ptrs, **(dict(BT="i32") if paged else {}))
             sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap", "p_drop"), dict(
-                desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, CAUSAL=True,
-                USE_TMA=tma, DROPOUT=dropout, PAGED=paged, **({} if paged else dict(BT=None)), **consts),
-                aligned_strides=d % 8 == 0)
+                desc_k=desc, desc_v=desc, HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
+                CAUSAL=causal, USE_TMA=tma, DROPOUT=dropout, PAGED=paged, **({} if paged else dict(BT=None)),
+                **consts), aligned_strides=d % 8 == 0)
             return fn, sig, const, attrs, cfg
-        jobs.append(Job("varlen forward", f"{dtype} d={d} causal{_mods_label(window, mod)}{_new_label(d, dropout)}"
-                        f"{' paged' if paged else ''}{' TMA' if tma else ''} {_cfg_label(cfg)}", build,
-                        _meta("varlen", cfg, d, dtype, cc)))
+        jobs.append(Job("varlen forward", f"{dtype} d={d} {'causal' if causal else 'full'}"
+                        f"{_mods_label(window, mod, d, dropout)}{' paged' if paged else ''}{' TMA' if tma else ''} "
+                        f"{_cfg_label(cfg)}", build, _meta("varlen", cfg, d, dtype, cc)))
     return jobs
 
 
-def _short_configs(kind, d, cc, smem_kind="varlen"):
-    """The configurations a batch of short documents adds to ``kind``'s set (``SHAPES[kind + "_short"]``, the
-    launchers' ``class_configs``) that fit sm_cc's shared memory (none may fit)."""
-    from helpers.kernels import common as kc
-    extra = kc.SHAPES[f"{kind}_short"](d)
-    try:
-        return kc.fitting_configs(smem_kind, extra, d, _torch_dtype("fp16"), (cc // 10, cc % 10), TARGETS[cc]["smem"])
-    except ValueError:
-        return []
-
-
-VARLEN_BWD_TARGETS = (90, 86, 75)  # where the candidates that fit differ: all of them (sm_86/89 and a T4 prune)
-
-
 def varlen_bwd_jobs(cc, dtypes):
-    """The packed backward's two kernels in every configuration ``varlen_bwd_configs`` may time on sm_cc (those of
-    the varlen backward's sets that fit, and on sm_90 of its short sets): d = 128, or d = 64 where nothing fits at
-    128 (a T4)."""
+    """The packed backward's two kernels (the dense backward's bodies, _bwd_dkdv_group and _bwd_dq_rows, their
+    branches compiled in bwd_jobs, behind a sequence lookup): in the configurations ``varlen_bwd_configs`` may time,
+    as ``_plan`` (d = 128, or 64 where nothing fits: a T4); on sm_90 every one of them and of its short sets
+    (nothing is pruned there, but a candidate that fails is left out silently: this is where it would show); on
+    VARIANT_TARGET their own code's switch once, ALiBi's per-sequence slope (bf16 at ODD_D: their own loads
+    unaligned)."""
     import helpers.kernels.varlen_backward as tvb
     from helpers.kernels import common as kc
-    if cc not in VARIANT_TARGETS + VARLEN_BWD_TARGETS:
-        return []
     jobs = []
     for kind, fn, label in (("dkdv", tvb._bwd_dkdv_varlen, "varlen backward dK/dV"),
                             ("dq", tvb._bwd_dq_varlen, "varlen backward dQ")):
-        fits = lambda d: kc.fitting_configs(kind, kc.SHAPES[f"varlen_{kind}"](d), d, _torch_dtype("fp16"),  # noqa: E731
-                                            (cc // 10, cc % 10), TARGETS[cc]["smem"])
-        try:
-            d, cfgs = 128, fits(128)
-        except ValueError:
-            d, cfgs = 64, fits(64)
-        if cc >= 90:  # and a batch of short documents' extra tiles (the launcher adds them from sm_90)
-            cfgs = cfgs + _short_configs(f"varlen_{kind}", d, cc, kind)
-        # the library's options: none; on VARIANT_TARGETS also the window with ALiBi in the dK/dV kernel (the dQ
-        # kernel's body is the dense one's, compiled with them in bwd_jobs: 9 s of ptxas saved)
-        plan = [(d, cfg, False, 0, False) for cfg in cfgs]
-        if cc in VARIANT_TARGETS and kind == "dkdv":
-            plan.append((d, cfgs[0], True, 2, False))
-        # the newest switches, packed, in the first configuration: softcap with ALiBi and dropout (at d as above);
-        # on VARIANT_TARGETS a window with both at ODD_D
-        if cc in NEW_VARIANT_TARGETS:
-            plan.append((d, cfgs[0], False, 3, True))
-        if cc in VARIANT_TARGETS:
-            plan.append((ODD_D, fits(ODD_D)[0], True, 3, False))
-        for d, cfg, window, mod, dropout in plan:
-            def build(fn=fn, cfg=cfg, d=d, kind=kind, dtype="fp16", window=window, mod=mod, dropout=dropout):
+        def fits(d, c, kind=kind, dtype="fp16"):
+            return kc.fitting_configs(kind, kc.SHAPES[f"varlen_{kind}"](d), d, _torch_dtype(dtype), _cap(c),
+                                      TARGETS[c]["smem"])
+        base = (True, False, 0, False)  # (causal, window, score mod, dropout)
+        if cc == HOPPER:
+            plan = [("fp16", 128, cfg, base) for cfg in fits(128, cc) + _short_configs(f"varlen_{kind}", 128, cc, kind)]
+        else:
+            plan = _plan(cc, fits, base, padded=False)
+        if cc == VARIANT_TARGET:
+            plan.append(("bf16", ODD_D, fits(ODD_D, cc, dtype="bf16")[0], (True, False, 2, False)))
+        for dtype, d, cfg, (causal, window, mod, dropout) in plan:
+            def build(fn=fn, cfg=cfg, d=d, kind=kind, dtype=dtype, causal=causal, window=window, mod=mod,
+                      dropout=dropout):
                 mod_ptrs, consts = _mods_sig(window, mod)
                 ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", SEQ_IDX="i32", CU_Q="i32",
                             CU_K="i32", **(dict(DK=dtype, DV=dtype, K_START="i32") if kind == "dkdv"
                                            else dict(DQ=dtype, Q_START="i32")), **mod_ptrs)
                 sig, const, attrs = signature(fn, ptrs, ("qk_scale", "sm_scale", "cap", "p_drop"), dict(
-                    HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True,
+                    HEAD_DIM=d, BLOCK_D=_bd(d), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
                     DROPOUT=dropout, **consts), aligned_strides=d % 8 == 0)
                 return fn, sig, const, attrs, cfg
-            jobs.append(Job(label, f"fp16 d={d} causal{_mods_label(window, mod)}{_new_label(d, dropout)} "
-                            f"{_cfg_label(cfg)}", build, _meta(kind, cfg, d, "fp16", cc)))
+            jobs.append(Job(label, f"{dtype} d={d} {'causal' if causal else 'full'}"
+                            f"{_mods_label(window, mod, d, dropout)} {_cfg_label(cfg)}", build,
+                            _meta(kind, cfg, d, dtype, cc)))
     return jobs
 
 
 def block_sparse_jobs(cc, dtypes):
-    """Lesson 12's block-sparse forward: every configuration its launcher keeps on sm_cc (fp16, d = 128, the
-    sliding window: the shared-memory proof), on VARIANT_TARGETS the other masks and score mods and d = 64, on
-    BF16_TARGETS bf16. Its configurations are pruned with the dense forward's estimate (block_sparse.SMEM_KIND)."""
+    """Lesson 12's block-sparse forward and backward. Its configurations are pruned with the dense forward's
+    estimate (block_sparse.SMEM_KIND): ``_plan`` with the sliding window (MASK 1). The mask kinds exclude each
+    other, but MASK 1's test is MASK 2's too and MASK 0 has no code of its own: on VARIANT_TARGET MASK 2 with
+    softcap (bf16) and MASK 3 with ALiBi (at d = 64, its own tiles) cover every branch; on sm_90 the TMA path with
+    MASK 2 in bf16, in the configuration of the first tile with the most shared memory. The backward (from sm_80:
+    no tile fits a T4) at block_sparse_tiles(backward=True)'s tile with bwd_configs' options: MASK 2 with softcap
+    everywhere, MASK 3 with ALiBi at d = 64 on VARIANT_TARGET."""
     import helpers.kernels.block_sparse as kb
     from helpers.kernels import common as kc
-    some = (lambda cfgs: cfgs) if cc in ALL_CONFIG_TARGETS else (lambda cfgs: cfgs[:1])
-    fits = lambda d: kb.launch_configs_block_sparse(d, _torch_dtype("fp16"), (cc // 10, cc % 10), TARGETS[cc]["smem"])  # noqa: E731
-    variants = [(1, 0), (2, 1), (3, 2), (0, 0)]  # (MASK, SCORE_MOD): window, document + softcap, prefix-LM + ALiBi, none
-    plan = [("fp16", 128, cfg, variants[0]) for cfg in some(fits(128))]
+
+    def fits(d, c):
+        return kb.launch_configs_block_sparse(d, _torch_dtype("fp16"), _cap(c), TARGETS[c]["smem"])
+    plan = [(dt, d, cfg, (1, 0), False) for dt, d, cfg, _ in _plan(cc, fits, None, padded=False)]  # (MASK, SCORE_MOD)
     first = plan[0][2]
-    if cc in VARIANT_TARGETS:
-        plan += [("fp16", 128, first, v) for v in variants[1:]]
-        plan += [("fp16", 64, fits(64)[0], variants[0])]
-    plan = [(*p, False) for p in plan]  # (..., TMA)
-    if cc in BF16_TARGETS:
-        plan += [("bf16", 128, first, variants[1], False)]
-    if _use_tma(cc, "fp16"):  # the launcher's TMA path, in the configuration of the first tile with the most shared memory
-        same = [c for c in fits(128) if (c["BLOCK_M"], c["BLOCK_N"]) == (first["BLOCK_M"], first["BLOCK_N"])]
-        big = max(same, key=lambda c: kc.smem_estimate(kb.SMEM_KIND, c, 128, 2, (cc // 10, cc % 10)))
-        plan += [("fp16", 128, big, variants[0], True), ("bf16", 128, first, variants[1], True)]
+    if cc == VARIANT_TARGET:
+        plan += [("bf16", 128, first, (2, 1), False), ("fp16", 64, fits(64, cc)[0], (3, 2), False)]
+    if _use_tma(cc, "fp16"):
+        same = [c for c in fits(128, cc) if (c["BLOCK_M"], c["BLOCK_N"]) == (first["BLOCK_M"], first["BLOCK_N"])]
+        big = max(same, key=lambda c: kc.smem_estimate(kb.SMEM_KIND, c, 128, 2, _cap(cc)))
+        plan.append(("bf16", 128, big, (2, 1), True))
     jobs = []
     for dtype, d, cfg, (mask, mod), tma in plan:
         def build(cfg=cfg, d=d, dtype=dtype, mask=mask, mod=mod, tma=tma):
@@ -494,14 +506,14 @@ def block_sparse_jobs(cc, dtypes):
                 SCORE_MOD=mod, USE_TMA=tma), ints16=("N", "Nk"))
             return fn, sig, const, attrs, cfg
         elt = 4 if dtype == "fp32" else 2
-        meta = dict(d=d, estimate=kc.smem_estimate(kb.SMEM_KIND, cfg, d, elt, (cc // 10, cc % 10)))
+        meta = dict(d=d, estimate=kc.smem_estimate(kb.SMEM_KIND, cfg, d, elt, _cap(cc)))
         jobs.append(Job("block-sparse forward", f"{dtype} d={d} MASK={mask} SCORE_MOD={mod}{' TMA' if tma else ''} "
                         f"{_cfg_label(cfg)}", build, meta))
-    if cc >= 80:  # the backward: at block_sparse_tiles(backward=True)'s tile, bwd_configs' options (none fits sm_75)
-        for dtype, d, (mask, mod) in [("fp16", 128, (2, 1)), ("fp16", 64, (1, 2))][:2 if cc in VARIANT_TARGETS else 1]:
-            bm_, bn_ = kb._tiles_for(d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"], True)
+    if cc >= 80:
+        for dtype, d, (mask, mod) in [("fp16", 128, (2, 1))] + ([("fp16", 64, (3, 2))] if cc == VARIANT_TARGET else []):
+            bm_, bn_ = kb._tiles_for(d, _torch_dtype(dtype), _cap(cc), TARGETS[cc]["smem"], True)
             tile = next(c for c in kb.SHAPES["block_sparse"](d) if (c["BLOCK_M"], c["BLOCK_N"]) == (bm_, bn_))
-            cfg = kb.bwd_configs(tile, d, _torch_dtype(dtype), (cc // 10, cc % 10), TARGETS[cc]["smem"])
+            cfg = kb.bwd_configs(tile, d, _torch_dtype(dtype), _cap(cc), TARGETS[cc]["smem"])
             for kind, fn_name in (("dkdv", "_bwd_dkdv_block_sparse"), ("dq", "_bwd_dq_block_sparse")):
                 def bwd(cfg=cfg, d=d, dtype=dtype, mask=mask, mod=mod, fn_name=fn_name, kind=kind):
                     fn = getattr(kb, fn_name)
@@ -514,14 +526,15 @@ def block_sparse_jobs(cc, dtypes):
                         HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], MASK=mask, SCORE_MOD=mod),
                         ints16=("N", "Nk"))
                     return fn, sig, const, attrs, cfg
-                meta = dict(d=d, estimate=kc.smem_estimate(kind, cfg, d, 2, (cc // 10, cc % 10)))
+                meta = dict(d=d, estimate=kc.smem_estimate(kind, cfg, d, 2, _cap(cc)))
                 jobs.append(Job("block-sparse backward", f"{kind} {dtype} d={d} MASK={mask} SCORE_MOD={mod} "
                                 f"{_cfg_label(cfg)}", bwd, meta))
     return jobs
 
 
 # ------------------------------------------------------------------ the teaching kernels and the worked notebooks
-def notebook_ns(name):
+@functools.lru_cache(maxsize=None)
+def notebook_ns(name):  # read once per process (a worker lists every target's jobs)
     from tests.conftest import notebook_namespace
     return notebook_namespace(name)
 
@@ -529,10 +542,11 @@ def notebook_ns(name):
 def lesson07_jobs(cc, dtypes):
     ns = notebook_ns("07_triton_gpu")
     jobs = []
-    more = cc in VARIANT_TARGETS
+    more = cc == VARIANT_TARGET
     for dtype in dtypes:
-        # the benchmark's d (64), and on VARIANT_TARGETS the checker's largest (32) and the full mask too
-        for d, causal in ((64, True), (64, False), (32, True)) if more and dtype == "fp16" else ((64, True),):
+        # the benchmark's d (64), and on VARIANT_TARGET the checker's largest (32) with the full mask (CAUSAL's
+        # other side)
+        for d, causal in ((64, True), (32, False)) if more and dtype == "fp16" else ((64, True),):
             def fwd(d=d, dtype=dtype, causal=causal):
                 fn = ns["attn_fwd"]
                 cfg = _notebook_fwd_config(ns, d)
@@ -574,9 +588,8 @@ def _notebook_fwd_config(ns, d):
 def lesson08_jobs(cc, dtypes):
     ns = notebook_ns("08_backward_pass")
     jobs = []
-    more = cc in VARIANT_TARGETS
     for dtype in dtypes:
-        for d in (32, 64) if more and dtype == "fp16" else (32,):  # the checker's largest d (32); 64
+        for d in (32,):  # the checker's largest d (another d is the same code with other constants)
             def build(dtype=dtype, d=d):
                 from helpers.lesson08.dkdv import _teach_dkdv as fn
                 ptrs = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, LSE2="fp32", DELTA="fp32", DK=dtype, DV=dtype)
@@ -597,12 +610,17 @@ def lesson08_jobs(cc, dtypes):
 
 
 def planted_jobs(cc, dtypes):
-    """The tests' planted-bug and written-another-way kernels, inside the notebook's launcher."""
+    """The tests' planted-bug and written-another-way kernels, inside the notebook's launcher. Each BUG value of
+    test_lesson07's planted_inner switches one site's branch: BUG=1 (NO_ALPHA) has every other site's correct
+    branch and BUG=2 (EXP) the correct acc update, so BUG=0 (OK) is compiled branch by branch; BUG=4
+    (NO_SCORE_MASK) takes BUG=3's score branch (``BUG == NO_LOAD_MASK or BUG == NO_SCORE_MASK``) and the loads'
+    masked branch: neither is compiled on its own. The combine's BUG=0 has a branch of its own (the max)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the test modules import `conftest`
     import test_idea_checks as ti
     import test_lesson07 as t7
     jobs = []
-    inners = {f"inner BUG={b}": t7.inner_with(b) for b in range(6)}
+    bugs = (t7.NO_ALPHA, t7.EXP, t7.NO_LOAD_MASK, t7.CAUSAL_OFF_BY_ONE)
+    inners = {f"inner BUG={b.value}": t7.inner_with(b.value) for b in bugs}
     inners.update(inner_other_way=t7.inner_other_way, inner_no_safe_max=ti.inner_no_safe_max)
     combines = {f"combine BUG={b}": t7.combine_with(b) for b in range(3)}
     combines.update(combine_other_way=t7.combine_other_way)
@@ -647,18 +665,16 @@ KERNELS = {
     "planted kernels of the tests": planted_jobs,
 }
 ONLY_SM90 = {"planted kernels of the tests"}  # run only in the maintainers' GPU test runs (an H200)
-SOME_TARGETS = {"varlen backward dK/dV": VARLEN_BWD_TARGETS, "varlen backward dQ": VARLEN_BWD_TARGETS}
 # no tile of it fits a T4's 64 KB: its launcher refuses clearly there (tests/test_compile_targets.py checks the message)
 FROM_SM80 = {"block-sparse backward"}
 
 
 def kernels_for(cc):
-    return [k for k in KERNELS if (cc == 90 or k not in ONLY_SM90) and cc in SOME_TARGETS.get(k, (cc,))
-            and (cc >= 80 or k not in FROM_SM80)]
+    return [k for k in KERNELS if (cc == HOPPER or k not in ONLY_SM90) and (cc >= 80 or k not in FROM_SM80)]
 
 
 def jobs_for(cc, kernels):
-    dtypes = ["fp16", "bf16"] if TARGETS[cc]["bf16"] and cc in BF16_TARGETS else ["fp16"]
+    dtypes = ["fp16", "bf16"] if cc == HOPPER else ["fp16"]  # bf16 of the teaching kernels and casts on sm_90
     jobs = []
     for fn in dict.fromkeys(KERNELS[k] for k in kernels if k in kernels_for(cc)):  # each function once, in order
         listed = fn(cc, dtypes)
@@ -668,55 +684,140 @@ def jobs_for(cc, kernels):
     return jobs
 
 
-def run(cc, kernels):
-    """Compile every job for ``cc``; yield one result dict per job (never raises for a kernel's error)."""
+def _cpu():  # this process's CPU time and its finished children's (ptxas)
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ch.ru_utime + ch.ru_stime
+
+
+def compile_job(cc, job):
+    """Compile one job for sm_cc: a result dict (kernel, config, cc, ok, shared or error, seconds, cpu_seconds, and
+    the job's meta); never raises for a kernel's error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
-    target = GPUTarget("cuda", cc, 32)
-    def cpu():  # this process's CPU time and its finished children's (ptxas)
-        ch = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return time.process_time() + ch.ru_utime + ch.ru_stime
-
-    for job in jobs_for(cc, kernels):
-        t0, c0 = time.perf_counter(), cpu()
-        res = dict(kernel=job.kernel, config=job.config, cc=cc, **job.meta)
-        try:
-            fn, sig, const, attrs, cfg = job.build()
-            opts = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
-            k = triton.compile(ASTSource(fn, sig, const, attrs), target=target, options=opts)
-            res.update(shared=k.metadata.shared, ok=True)
-        except Exception as e:  # noqa: BLE001 - reported to the test, which names kernel, config and target
-            msg = "".join(traceback.format_exception_only(type(e), e)).strip()
-            res.update(ok=False, error=f"{type(e).__name__}: {msg[-3000:]}")
-        res.update(seconds=round(time.perf_counter() - t0, 2), cpu_seconds=round(cpu() - c0, 2))
-        yield res
+    t0, c0 = time.perf_counter(), _cpu()
+    res = dict(kernel=job.kernel, config=job.config, cc=cc, **job.meta)
+    try:
+        fn, sig, const, attrs, cfg = job.build()
+        opts = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+        k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cc, 32), options=opts)
+        res.update(shared=k.metadata.shared, ok=True)
+    except Exception as e:  # noqa: BLE001 - reported to the test, which names kernel, config and target
+        msg = "".join(traceback.format_exception_only(type(e), e)).strip()
+        res.update(ok=False, error=f"{type(e).__name__}: {msg[-3000:]}")
+    res.update(seconds=round(time.perf_counter() - t0, 2), cpu_seconds=round(_cpu() - c0, 2))
+    return res
 
 
 def main(argv):
     cc = int(argv[0])
-    for res in run(cc, argv[1:] or kernels_for(cc)):
-        print(json.dumps(res), flush=True)
+    for job in jobs_for(cc, argv[1:] or kernels_for(cc)):
+        print(json.dumps(compile_job(cc, job)), flush=True)
+
+
+# The driver and its workers. Each worker imports torch, Triton and the notebooks once and lists every target's
+# jobs; the driver hands out the jobs one at a time, slowest target first (sm_75: no tensor cores, each forward
+# ~15 CPU-s), so both workers stay busy to the end and no target waits on a tail. Their lines start with RESULT
+# (ptxas's errors print to stdout too).
+RESULT = "@@compile_kernels@@ "
+ORDER = (75, 90, 80, 86, 89)  # the order the targets' jobs are handed out (and their results complete)
+
+
+def serve(plan):
+    """A worker: lists the jobs of ``plan`` ({cc: [kernel, ...]}) and prints them ({cc: [[kernel, config], ...]}),
+    then compiles the job each stdin line names ("cc index"), printing its result."""
+    jobs = {cc: jobs_for(cc, kernels) for cc, kernels in plan.items()}
+    print(RESULT + json.dumps({str(cc): [[j.kernel, j.config] for j in js] for cc, js in jobs.items()}), flush=True)
+    for line in sys.stdin:
+        cc, i = map(int, line.split())
+        print(RESULT + json.dumps(dict(compile_job(cc, jobs[cc][i]), index=i)), flush=True)
 
 
 def drive(out_dir, plan, parallel):
-    """Compile ``plan`` ({cc: [kernel, ...]}) in one child per target, ``parallel`` at a time, slowest first
-    (sm_75: no tensor cores, big kernels). Each target's results land in out_dir/compile_sm<cc>.jsonl when its
-    child is done, or its error output in compile_sm<cc>.failed."""
+    """Compile ``plan`` ({cc: [kernel, ...]}) in ``parallel`` workers that share every target's jobs. Each target's
+    results land in out_dir/compile_sm<cc>.jsonl (in its jobs' order) when its last job is done, or a worker's error
+    output in compile_sm<cc>.failed (a worker that dies in a job is replaced; that job is reported failed)."""
     import subprocess
-    from concurrent.futures import ThreadPoolExecutor
+    import threading
 
-    def one(cc):
+    lock = threading.Lock()
+    state = dict(todo=None, counts=None)
+    results = {cc: {} for cc in plan}
+
+    def finish(cc):
         out = os.path.join(out_dir, f"compile_sm{cc}")
-        proc = subprocess.run([sys.executable, "-m", "tests.compile_kernels", str(cc), *plan[cc]],
-                              capture_output=True, text=True)
         with open(out + ".tmp", "w") as f:
-            f.write(proc.stdout if proc.returncode == 0 else f"exit {proc.returncode}\n{proc.stderr[-4000:]}")
-        os.replace(out + ".tmp", out + (".jsonl" if proc.returncode == 0 else ".failed"))
+            f.writelines(json.dumps(results[cc][i]) + "\n" for i in range(state["counts"][cc]))
+        os.replace(out + ".tmp", out + ".jsonl")
 
-    order = sorted(plan, key=lambda cc: (cc != 75, -cc))
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
-        list(pool.map(one, order))
+    def fail_all(why):
+        for cc in plan:
+            if state["counts"] is None or len(results[cc]) < state["counts"][cc]:
+                out = os.path.join(out_dir, f"compile_sm{cc}")
+                with open(out + ".tmp", "w") as f:
+                    f.write(why)
+                os.replace(out + ".tmp", out + ".failed")
+
+    def record(cc, i, res):
+        with lock:
+            results[cc][i] = res
+            if len(results[cc]) == state["counts"][cc]:
+                finish(cc)
+
+    def read_result(proc):
+        for line in proc.stdout:
+            if line.startswith(RESULT):
+                return json.loads(line[len(RESULT):])
+        return None
+
+    def worker(n):
+        log = os.path.join(out_dir, f"compile_worker{n}.log")
+        for _ in range(3):  # a worker that dies in a job is replaced (twice)
+            with open(log, "w") as err:
+                proc = subprocess.Popen([sys.executable, "-m", "tests.compile_kernels", "--serve", json.dumps(plan)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+            listed = read_result(proc)
+            if listed is None:  # it could not list the jobs (an import error): nothing will compile
+                proc.wait()
+                with lock:
+                    fail_all(f"exit {proc.returncode}\n{open(log).read()[-4000:]}")
+                return
+            listed = {int(cc): js for cc, js in listed.items()}
+            counts = {cc: len(js) for cc, js in listed.items()}
+            with lock:
+                if state["counts"] is None:
+                    state["counts"] = counts
+                    state["todo"] = [(cc, i) for cc in sorted(plan, key=lambda c: ORDER.index(c))
+                                     for i in range(counts[cc])]
+                    for cc in plan:
+                        if counts[cc] == 0:
+                            finish(cc)
+            while True:
+                with lock:
+                    if not state["todo"]:
+                        proc.stdin.close()
+                        proc.wait()
+                        return
+                    cc, i = state["todo"].pop(0)
+                proc.stdin.write(f"{cc} {i}\n")
+                proc.stdin.flush()
+                res = read_result(proc)
+                if res is None:  # the worker died in this job
+                    proc.wait()
+                    kernel, config = listed[cc][i]
+                    record(cc, i, dict(kernel=kernel, config=config, cc=cc, ok=False, seconds=0, cpu_seconds=0,
+                                       error=f"the compiling process died (exit {proc.returncode}):\n"
+                                             f"{open(log).read()[-3000:]}"))
+                    break
+                record(cc, i, {k: v for k, v in res.items() if k != "index"})
+        with lock:
+            fail_all(f"the compiling processes kept dying: {open(log).read()[-4000:]}")
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(parallel)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 if __name__ == "__main__":
@@ -726,5 +827,7 @@ if __name__ == "__main__":
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if sys.argv[1] == "--drive":  # --drive OUT_DIR PARALLEL PLAN_JSON
         drive(sys.argv[2], {int(k): v for k, v in json.loads(sys.argv[4]).items()}, int(sys.argv[3]))
+    elif sys.argv[1] == "--serve":  # --serve PLAN_JSON (a worker of drive)
+        serve({int(k): v for k, v in json.loads(sys.argv[2]).items()})
     else:
         main(sys.argv[1:])

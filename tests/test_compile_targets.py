@@ -1,18 +1,21 @@
 """Every Triton kernel the course launches compiles for the GPUs learners have, proven without a GPU.
 
-One test per (kernel, target): tests/compile_kernels.py lists the kernels (the tuned ones of helpers/triton_*.py,
-the teaching launchers', the checkers' probe, the worked notebooks' cells, the tests' planted bugs) and compiles
+One test per (kernel, target): tests/compile_kernels.py lists the kernels (the tuned ones of helpers/kernels/,
+the teaching launchers', the checkers' probes, the worked notebooks' cells, the tests' planted bugs) and compiles
 each with Triton's own compiler for sm_90 (H100, H200), sm_89 (RTX 40, L4), sm_86 (RTX 30, A10), sm_80 (A100)
-and sm_75 (T4), in the configurations the launcher would use there. A kernel passes on a target when every
-configuration compiles (TTIR to a cubin through Triton's ptxas) and takes no more shared memory than one block
-may have there. The interpreter that runs the other tests on a CPU checks neither.
+and sm_75 (T4): every kernel in its base form on every target, the configurations its launcher keeps where
+shared memory prunes them, every constexpr branch once (its docstring says which job proves what). A kernel
+passes on a target when every job compiles (TTIR to a cubin through Triton's ptxas) and takes no more shared
+memory than one block may have there nor than the launcher's estimate that prunes its configurations. The
+interpreter that runs the other tests on a CPU checks none of this.
 
-The compiling runs in child processes, one per target, two at a time, with TRITON_INTERPRET off
-(tests/conftest.py turns it on for this process, and Triton reads it when a kernel is decorated). The
-first test to need a result starts them all; their results land in pytest's base temp folder, which the
-workers of ``pytest -n 2`` share, and so does Triton's cache: nothing is written into the repo. The
-launchers' decisions that need a GPU's capability (which configurations fit, TMA, bf16) are plain
-functions, tested at the end for every target without compiling.
+The compiling runs in two worker processes (tests/compile_kernels.py --drive) with TRITON_INTERPRET off
+(tests/conftest.py turns it on for this process, and Triton reads it when a kernel is decorated). They share
+every target's jobs, the slowest target (sm_75) first, and each target's results land in pytest's base temp
+folder when its last job is done; the workers of ``pytest -n 2`` share that folder, and so does Triton's cache:
+nothing is written into the repo. The first test to need a result starts them. The launchers' decisions that
+need a GPU's capability (which configurations fit, TMA, bf16) are plain functions, tested at the end for every
+target without compiling.
 """
 from __future__ import annotations
 
@@ -30,13 +33,15 @@ from filelock import FileLock
 
 pytest.importorskip("triton")  # Linux only (PyPI): nothing to compile with elsewhere
 
-from tests.compile_kernels import TARGETS, kernels_for  # noqa: E402
+from tests.compile_kernels import MMA_V2, TARGETS, kernels_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD_TIMEOUT = 900  # seconds to wait for one target's compiles
-PARALLEL = 2  # compile children at a time (CI has two cores)
+PARALLEL = 2  # compile workers (CI has two cores)
 
 CASES = [(cc, k) for cc in TARGETS for k in kernels_for(cc)]
+MMA_V2_KERNELS = [k for k in kernels_for(MMA_V2[0]) if all(k in kernels_for(cc) for cc in MMA_V2)]
+MMA_V2_TEST = "test_mma_v2_targets_take_the_same_shared_memory"  # needs those kernels on sm_80, sm_86, sm_89
 
 
 def _child_env(cache_dir):
@@ -48,8 +53,11 @@ def _child_env(cache_dir):
 
 def _selected_kernels(session, cc):
     """The kernels this run's selected tests need on sm_cc (``-k`` may select a few)."""
-    wanted = [item.callspec.params.get("kernel") for item in session.items
-              if hasattr(item, "callspec") and item.callspec.params.get("cc") == cc]
+    wanted = set()
+    for item in session.items:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if params.get("cc") == cc or (cc in MMA_V2 and getattr(item, "originalname", None) == MMA_V2_TEST):
+            wanted.add(params.get("kernel"))
     return [k for k in kernels_for(cc) if k in wanted]
 
 
@@ -57,8 +65,8 @@ def _selected_kernels(session, cc):
 def compiled(tmp_path_factory, request):
     """``compiled(cc) -> [result, ...]``: one dict per compile (kernel, config, ok, error, shared, seconds).
 
-    The first test to ask starts one driver (tests/compile_kernels.py --drive) for every target at once, two
-    children at a time; every test, in whichever xdist worker, waits for its target's file."""
+    The first test to ask starts one driver (tests/compile_kernels.py --drive) for every target at once, with
+    two workers; every test, in whichever xdist worker, waits for its target's file."""
     shared_dir = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
         shared_dir = shared_dir.parent  # one folder for every xdist worker of this run
@@ -104,6 +112,24 @@ def test_kernel_compiles_and_fits(compiled, cc, kernel):
             problems.append(f"{where} needs {r['shared']} bytes of shared memory, more than the launcher's estimate "
                             f"{r['estimate']} (helpers.kernels.common.smem_estimate) that prunes configurations")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("kernel", MMA_V2_KERNELS)
+def test_mma_v2_targets_take_the_same_shared_memory(compiled, kernel):
+    """Triton lowers sm_80, sm_86 and sm_89 alike (mma.sync, cp.async; the targets differ in ptxas and in LLVM's
+    SLP vectoriser, which runs after shared memory is allocated): a compile of one configuration gives its shared
+    memory on all three. That is what lets tests/compile_kernels.py compile the configurations the 99 KB GPUs keep
+    on sm_86 alone and those only sm_80 keeps on sm_80. Every job compiled for several of them (the base forms, the
+    same configuration) takes the same shared memory on each."""
+    by_job = {}
+    for cc in MMA_V2:
+        for r in compiled(cc):
+            if r["kernel"] == kernel and r["ok"]:
+                by_job.setdefault(r["config"], {})[cc] = r["shared"]
+    shared = {config: on for config, on in by_job.items() if len(on) > 1}
+    assert shared, f"{kernel}: no job compiled for two of sm_80, sm_86, sm_89"
+    differ = {config: on for config, on in shared.items() if len(set(on.values())) > 1}
+    assert not differ, f"{kernel}: shared memory (bytes) by target differs: {differ}"
 
 
 # ------------------------------------------------------------------ the launchers' decisions, per target
