@@ -38,7 +38,7 @@ KERNEL_TESTS = ["tests/test_triton_kernels.py", "tests/test_triton_bwd.py", "tes
                 "tests/test_triton_kvcache.py", "tests/test_lesson07.py", "tests/test_lesson08_gpu.py",
                 "tests/test_triton_mode.py", "tests/test_triton_block_sparse.py", "tests/test_triton_mods.py",
                 "tests/test_triton_kvcache_mods.py", "tests/test_forward_backends.py",
-                "tests/test_lesson11.py", "tests/test_interface.py"]
+                "tests/test_lesson11.py", "tests/test_lesson11_gluon.py", "tests/test_interface.py"]
 
 
 def machine() -> dict:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT, LaunchRecorder
-from test_lesson11 import _gluon_hopper_api
+from test_lesson11_gluon import _gluon_hopper_api
 
 _COMPILE = """
 import json
