@@ -234,3 +234,22 @@ def test_docstrings_and_comments_keep_the_reasons_not_the_measurements():
                     continue
                 found.append(f"{path.relative_to(ROOT)}:{tok.start[0]}: …{around.strip()!r}…")
     assert not found, "measured figures in docstrings or comments:\n" + "\n".join(found)
+
+
+def test_no_python_file_outside_the_kernels_is_over_the_size_limit():
+    """The same limit for the tests, the GPU scripts, the browser tests and the site's build (the kernels alone may
+    be longer: a kernel family's variants are one file)."""
+    files = [p for folder in ("tests", "bench", "e2e", "site") for p in (ROOT / folder).rglob("*.py")]
+    big = {str(p.relative_to(ROOT)): n for p in files for n in [len(p.read_text().splitlines())] if n > MAX_LINES}
+    assert files and not big, f"over {MAX_LINES} lines (split it by job): {big}"
+
+
+def test_every_kept_log_is_named_where_a_reader_meets_it():
+    """A log under bench/results/logs/ stays only while something cites it (NOTES, a record, a lesson's table, a
+    comment, a notebook); history is git's."""
+    logs = ROOT / "bench" / "results" / "logs"
+    texts = [p.read_text(errors="replace") for p in ROOT.rglob("*")
+             if p.is_file() and p.suffix in (".py", ".md", ".json", ".ipynb") and logs not in p.parents
+             and not any(part in (".git", ".venv", "build", "artifacts") for part in p.relative_to(ROOT).parts)]
+    unnamed = [p.name for p in sorted(logs.glob("*")) if not any(p.name in t for t in texts)]
+    assert not unnamed, f"logs nothing names (remove them, or cite them where they are evidence): {unnamed}"
