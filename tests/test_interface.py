@@ -409,6 +409,7 @@ def test_grid_covers_the_options(native):
     assert any(c.lens_q[0] > c.lens_k[0] for c in dense) and any(c.lens_q[0] < c.lens_k[0] for c in dense)
     assert {c.Hkv == 1 for c in cases} == {True, False} and any(1 < c.Hkv < c.H for c in cases)
     assert any(c.paged for c in cases)
+
     def blind(c):  # a row that sees no key: bottom-right, row i sees keys j <= i + Nk - N + right (right >= 0)
         right = 0 if c.causal else c.window[1]
         return any(n and (not nk or right >= 0 and n - nk - right > 0) for n, nk in zip(c.lens_q, c.lens_k))
