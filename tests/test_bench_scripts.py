@@ -28,9 +28,21 @@ def _load(name):
     return mod
 
 
+PACKED_KEYS = {"mix", "T", "d", "H", "Hkv", "causal", "fwd_course_ms", "fwd_flex_ms", "bwd_course_ms", "bwd_flex_ms",
+               "pass", "fwd_sdpa_ms", "bwd_sdpa_ms", "lengths"}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU interpreter run")
-def test_bench_varlen_smoke_merges_rows(tmp_path):
+def test_bench_varlen_smoke_merges_rows(tmp_path, monkeypatch):
+    """bench/bench_varlen.py --smoke, both sections in one run (neither --serving nor --packed): the serving rows and
+    the packed documents' (the batch, FlexAttention's document mask, SDPA's dense mask, the float64 checks, the
+    timing, the record after every row), on tiny sizes. The packed rows: two of the smoke list, causal and not, MHA
+    and GQA (every mix's lengths: tests/test_packed_documents.py's test_bench_document_mixes_sum_to_the_row)."""
     bench = _load("bench_varlen")
+    smoke_rows = bench.packed_cases(False, True)
+    two = [c for c in smoke_rows if (c[0], c[3], c[4]) in {("one longer than the rest", 2, True), ("2 x 32", 1, False)}]
+    assert len(two) == 2
+    monkeypatch.setattr(bench, "packed_cases", lambda quick, smoke: two)
     out = tmp_path / "gpu.json"
     out.write_text(json.dumps({"prefill": [{"N": 1}], "gpu": "kept"}))
     rows = bench.main(["--smoke", "--out", str(out)])
@@ -46,6 +58,17 @@ def test_bench_varlen_smoke_merges_rows(tmp_path):
             assert row[key] is not None and row[key] >= 0
     assert {r["Hkv"] < r["H"] for r in rows} == {True, False}, "GQA and MHA rows"
     assert {r["causal"] for r in rows} == {True, False}
+
+    packed = data["packed_documents"]
+    assert len(packed) == 2
+    meta = data["packed_documents_meta"]
+    assert len(meta["details"]) == len(packed) and {"gpu", "torch", "triton", "date", "summary"} <= set(meta)
+    assert meta["host_us_per_call"]["python"]["forward"] > 0
+    for row, detail in zip(packed, meta["details"]):
+        assert set(row) == PACKED_KEYS and row["pass"] and detail["pass"], (row, detail)
+        assert all(row[key] > 0 for key in ("fwd_course_ms", "fwd_flex_ms", "bwd_course_ms", "fwd_sdpa_ms"))
+        assert detail["flex_vs_course_max_diff"] < 1e-4  # FlexAttention's document mask is the same function
+    assert {r["causal"] for r in packed} == {True, False} and {r["Hkv"] < r["H"] for r in packed} == {True, False}
 
 
 def test_varlen_useful_flops_count_visible_pairs():

@@ -1,5 +1,6 @@
-"""Every exercise of every lesson, found in its worked notebook's `check.<name>(<name>)` cells:
-the worked answer passes strict, the generated stub fails strict and shows ⏳ otherwise."""
+"""Every exercise of every lesson, found in its worked notebook's `check.<name>(<name>)` cells: the generated stub
+fails strict and shows ⏳ otherwise; the worked answer passes with float64 as the default dtype. (The worked answer
+passing strict as the notebook runs it: `make check-solutions`, every worked notebook with COURSE_STRICT=1.)"""
 import nbformat
 import pytest
 
@@ -28,12 +29,6 @@ def _ns(nb, learner):
 
 def test_every_checker_is_an_exercise_of_some_notebook():
     assert sorted(REGISTRY) == sorted(name for _, name in EXERCISES)
-
-
-@pytest.mark.parametrize("nb, name", EXERCISES)
-def test_worked_answer_passes(nb, name, strict, capsys):
-    getattr(check, name)(_ns(nb, learner=False)[name])
-    assert f"✅ {name}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("nb, name", EXERCISES)

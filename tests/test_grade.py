@@ -28,8 +28,7 @@ def _by_name(verdicts):
     return {v.exercise: v for v in verdicts}
 
 
-@pytest.fixture
-def learner01(tmp_path):
+def _learner01_cut(path):
     """Lesson 01's learner copy cut to what grading reads: its set-up and imports, each exercise and its check cell
     (the figures and demos are left out: they cost a kernel's time and grade nothing)."""
     nb = nbformat.read(ROOT / "notebooks" / NB01, as_version=4)
@@ -37,8 +36,26 @@ def learner01(tmp_path):
     code = [c for c in nb.cells if c.cell_type == "code"]
     nb.cells = code[:2] + [c for c in code[2:] if any(f"def {n}(" in c.source or f"check.{n}(" in c.source
                                                       for n in names)]
-    nbformat.write(nb, tmp_path / NB01)
-    return tmp_path / NB01
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def edited01(tmp_path_factory):
+    """The cut learner copy with a learner's three kinds of trouble, one exercise each, graded once (a Jupyter
+    kernel's run) for the tests below: online_softmax_stats's check cell deleted, merge_ml a wrong answer (forgets
+    the rescale), blockwise_stats renamed so that its check cell breaks (NameError); lse_from_stats left untouched,
+    after all of them. Returns (path, verdicts by exercise, verdicts in order); grade's cache beside it then holds
+    them (test_report_exits_zero_and_expect_is_a_gate reads them from there)."""
+    path = _learner01_cut(tmp_path_factory.mktemp("edited01") / NB01)
+    nb = nbformat.read(path, as_version=4)
+    nb.cells = [c for c in nb.cells if "check.online_softmax_stats(online_softmax_stats)" not in c.source]
+    nbformat.write(nb, path)
+    _edit(path, 'raise NotImplementedError("merge_ml: replace this line with your code")',
+          "m = torch.maximum(m1, m2)\n    return m, l1 + l2")                # forgets the rescale
+    _edit(path, "def blockwise_stats(", "def blockwise_stats_draft(")       # its check cell: NameError
+    verdicts = grade.grade([str(path)])
+    return path, _by_name(verdicts), verdicts
 
 
 def test_exercises_are_found_from_check_cells():
@@ -47,27 +64,26 @@ def test_exercises_are_found_from_check_cells():
         "online_softmax_stats", "merge_ml", "blockwise_stats", "lse_from_stats"]
 
 
-# Grade is run on whole notebooks of two kinds: plain CPU (01) and worker processes (09). Whole folders would repeat
-# nbval's runs (make check-solutions runs every worked notebook strict, the Triton ones included); the grading of
-# Triton lessons on a machine without Triton is tests/test_learner_machines.py's.
-GRADED = ("01_online_softmax", "09_ring_attention")
-
+# Grade is run on whole notebooks of two kinds: plain CPU (01, a learner's untouched copy) and worker processes (09,
+# a worked copy). Whole folders would repeat nbval's runs (make check-solutions runs every worked notebook strict, the
+# Triton ones included; make e2e every learner copy); the grading of Triton lessons on a machine without Triton is
+# tests/test_learner_machines.py's.
+LEARNER, WORKED = "01_online_softmax", "09_ring_attention"
 
 
 def test_untouched_learner_notebooks_are_all_todo_and_unchanged(tmp_path, capsys, monkeypatch):
-    """Grade reads untouched learner notebooks (GRADED, above) as all ⏳ and writes nothing.
+    """Grade reads an untouched learner notebook (LEARNER, above) as all ⏳ and writes nothing.
     Every learner notebook running with its exercises ⏳ is e2e's job (and nbval's where e2e may skip).
     As `make grade` runs: no TRITON_INTERPRET in the environment (the course chooses the mode itself)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     work = tmp_path / "notebooks"
     work.mkdir()
-    for name in GRADED:
-        shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", work)
+    shutil.copy(ROOT / "notebooks" / f"{LEARNER}.ipynb", work)
     before = {p.name: _sha(p) for p in work.glob("*.ipynb")}
     assert grade.main([str(work), "--expect", "todo"]) == 0
     out = capsys.readouterr().out
     n = sum(len(grade.exercises_in(nbformat.read(p, as_version=4))) for p in work.glob("*.ipynb"))
-    assert n == 4 + 2
+    assert n == 4
     assert out.count("⏳ not attempted yet") == n and f"0 ✅  0 ❌  {n} ⏳  of {n} exercises" in out
     assert {p.name: _sha(p) for p in work.glob("*.ipynb")} == before      # nothing written
     assert sorted(p.name for p in work.iterdir()) == sorted([*before, ".course"])   # only the grade's cache beside
@@ -80,21 +96,17 @@ def test_a_copy_of_worked_notebooks_is_all_pass(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as `make grade` runs: the course chooses it
     work = tmp_path / "solutions"
     work.mkdir()
-    for name in GRADED:
-        shutil.copy(ROOT / "solutions" / f"{name}.ipynb", work)
+    shutil.copy(ROOT / "solutions" / f"{WORKED}.ipynb", work)
     assert grade.main([str(work), "--expect", "pass"]) == 0
     out = capsys.readouterr().out
     n = sum(len(grade.exercises_in(nbformat.read(p, as_version=4))) for p in work.glob("*.ipynb"))
-    assert n == 4 + 2 and f"{n} ✅  0 ❌  0 ⏳  of {n} exercises" in out
+    assert n == 2 and f"{n} ✅  0 ❌  0 ⏳  of {n} exercises" in out
 
 
-def test_a_wrong_answer_is_a_cross_with_the_checkers_first_line(learner01):
-    _edit(learner01, 'raise NotImplementedError("merge_ml: replace this line with your code")',
-          "m = torch.maximum(m1, m2)\n    return m, l1 + l2")                # forgets the rescale
-    got = _by_name(grade.grade_notebook(learner01))
+def test_a_wrong_answer_is_a_cross_with_the_checkers_first_line(edited01):
+    got = edited01[1]
     assert got["merge_ml"].status == "fail"
     assert got["merge_ml"].message.startswith("wrong: `l` at index (") and "values wrong" in got["merge_ml"].message
-    assert got["online_softmax_stats"].status == "todo"
     # VERBOSE=1: the checker's other lines (the case, the hint) under the row, as the notebook shows them
     hint = next(d for d in got["merge_ml"].details if d.startswith("hint: "))
     assert got["merge_ml"].details[0].startswith("case '")
@@ -106,11 +118,10 @@ def test_a_wrong_answer_is_a_cross_with_the_checkers_first_line(learner01):
     assert "values wrong" in " ".join(under[:2]) and any(l.lstrip().startswith("case '") for l in under)
 
 
-def test_a_cell_that_breaks_is_reported_on_the_exercise_it_stops(learner01):
-    _edit(learner01, "def merge_ml(", "def merge_ml_draft(")                 # check cell: NameError
-    got = _by_name(grade.grade_notebook(learner01))
-    assert got["merge_ml"].status == "fail"
-    assert got["merge_ml"].message == "not graded: NameError: name 'merge_ml' is not defined"
+def test_a_cell_that_breaks_is_reported_on_the_exercise_it_stops(edited01):
+    got = edited01[1]
+    assert got["blockwise_stats"].status == "fail"
+    assert got["blockwise_stats"].message == "not graded: NameError: name 'blockwise_stats' is not defined"
     assert got["lse_from_stats"].status == "todo"                           # later cells still ran
 
 
@@ -121,9 +132,10 @@ def test_an_unreadable_notebook_is_a_row_not_a_crash(tmp_path):
     assert v.status == "fail" and v.message.startswith("cannot read the notebook")
 
 
-def test_report_exits_zero_and_expect_is_a_gate(learner01, capsys):
-    assert grade.main([str(learner01)]) == 0
-    assert grade.main([str(learner01), "--expect", "pass"]) == 1
+def test_report_exits_zero_and_expect_is_a_gate(edited01, capsys):
+    path = edited01[0]
+    assert grade.main([str(path)]) == 0
+    assert grade.main([str(path), "--expect", "pass"]) == 1
     assert "4 exercise(s) are not ✅" in capsys.readouterr().err
 
 
@@ -147,17 +159,14 @@ def test_several_folders_name_the_folder():
     assert "notebooks/" not in grade.format_table(vs[:1], width=100)           # one folder: just the name
 
 
-def test_a_deleted_check_cell_is_listed_not_dropped(learner01):
-    nb = nbformat.read(learner01, as_version=4)
-    nb.cells = [c for c in nb.cells if "check.merge_ml(merge_ml)" not in c.source]
-    nbformat.write(nb, learner01)
-    verdicts = grade.grade_notebook(learner01)
+def test_a_deleted_check_cell_is_listed_not_dropped(edited01):
+    _, got, verdicts = edited01
     assert [v.exercise for v in verdicts] == ["online_softmax_stats", "merge_ml", "blockwise_stats",
                                               "lse_from_stats"]                  # the course's order
-    got = _by_name(verdicts)
-    assert got["merge_ml"].status == "fail" and got["merge_ml"].message.startswith("check cell missing")
-    assert "check.merge_ml(merge_ml)" in got["merge_ml"].message
-    assert got["blockwise_stats"].status == "todo"
+    assert got["online_softmax_stats"].status == "fail"
+    assert got["online_softmax_stats"].message.startswith("check cell missing")
+    assert "check.online_softmax_stats(online_softmax_stats)" in got["online_softmax_stats"].message
+    assert got["merge_ml"].status == "fail" and got["lse_from_stats"].status == "todo"   # the others still graded
 
 
 def test_a_folder_with_a_malformed_notebook_keeps_the_rest_of_the_table(tmp_path, capsys, monkeypatch):

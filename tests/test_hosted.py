@@ -44,12 +44,12 @@ def test_a_notebook_alone_fetches_the_course_and_installs_it(tmp_path):
     remote = tmp_path / "published"
     subprocess.run(["git", "clone", "--quiet", "--depth", "1", f"file://{ROOT}", str(remote)], check=True)
     fresh = tmp_path / "hosted-python"
-    venv.EnvBuilder(with_pip=True).create(fresh)
+    venv.EnvBuilder(with_pip=False).create(fresh)     # its pip too is the service's, through the path below
     py = fresh / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    # The hosted service's own packages: this environment's, seen through a path (not the course: its editable
-    # install is a finder that a plain path entry does not run).
+    # The hosted service's own packages (pip among them): this environment's, seen through a path (not the course:
+    # its editable install is a finder that a plain path entry does not run).
     with open(os.path.join(purelib, "hosted_service_packages.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")
     alone = tmp_path / "a-notebook-on-its-own"

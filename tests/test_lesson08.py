@@ -294,9 +294,14 @@ def test_bwd_invisible_tiles_computed_elementwise_are_rejected():
 @pytest.mark.parametrize("fn", [L.flash_attn_bwd_ref, make_bwd(None), bwd_exp2_lists, make_bwd("dkv_add_once"),
                                 make_bwd("dkv_index_add")])
 def test_bwd_other_correct_ways_pass(fn, strict, capsys):
+    """...and 08's later cells take it (checking.yours_or_reference) once its check passed, not before."""
+    from helpers.checking import yours_or_reference
+    ref = lambda *a: None  # noqa: E731  (a stand-in reference: fn may be the course's own)
+    assert yours_or_reference(fn, ref) is ref                                           # never checked
     check.flash_attn_bwd(fn)
     out = capsys.readouterr().out
     assert "✅ flash_attn_bwd" in out and "x the forward's" in out
+    assert yours_or_reference(fn, ref) is fn and "its check passed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("bug, words", [
@@ -330,8 +335,12 @@ def test_bwd_other_correct_ways_pass(fn, strict, capsys):
     ("not_implemented", ["❌", "raised NotImplementedError when metered", "not written yet"]),
     ("max_in_loop", ["aten.amax", "recomputed from lse alone"]),
 ])
-def test_bwd_planted_bugs_rejected(bug, words):
-    rejects(check.flash_attn_bwd, make_bwd(bug), *words)
+def test_bwd_planted_bugs_rejected(bug, words, capsys):
+    from helpers.checking import yours_or_reference
+    fn = make_bwd(bug)
+    rejects(check.flash_attn_bwd, fn, *words)
+    assert yours_or_reference(fn, L.flash_attn_bwd_ref) is L.flash_attn_bwd_ref, "checked, failed: the reference"
+    assert "uses the course's reference" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kept, words", [
@@ -485,8 +494,10 @@ class DenseBackward(torch.autograd.Function):
 @pytest.mark.parametrize("fn", [L.FlashAttentionRef, make_function(None), make_function(None, bwd_exp2_lists),
                                 make_function(None, L.flash_attn_bwd_two_pass)])
 def test_function_other_correct_ways_pass(fn, strict, capsys):
+    from helpers.checking import yours_or_reference
     check.FlashAttentionFunction(fn)
     assert "✅ FlashAttentionFunction" in capsys.readouterr().out
+    assert yours_or_reference(fn, None) is fn, "08's later cells take the class once its check passed"
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -633,23 +644,6 @@ def test_training_with_the_function_matches_sdpa():
     assert a[0] == pytest.approx(math.log(data.vocab), abs=0.5)
     import matplotlib.pyplot as plt
     plt.close(L.plot_losses(b, a))
-
-
-def test_later_cells_use_the_function_only_once_its_check_passed(not_strict, capsys):
-    """08's cells pick the learner's backward and Function through checking.yours_or_reference."""
-    from helpers import check
-    from helpers.checking import CheckFailure, yours_or_reference
-    wrong = make_bwd("no_D")
-    assert yours_or_reference(wrong, L.flash_attn_bwd_ref) is L.flash_attn_bwd_ref   # never checked
-    with pytest.raises(CheckFailure):
-        check.flash_attn_bwd(wrong)
-    assert yours_or_reference(wrong, L.flash_attn_bwd_ref) is L.flash_attn_bwd_ref   # checked, failed
-    check.flash_attn_bwd(bwd_exp2_lists)
-    assert yours_or_reference(bwd_exp2_lists, L.flash_attn_bwd_ref) is bwd_exp2_lists
-    check.FlashAttentionFunction(L.FlashAttentionRef)
-    assert yours_or_reference(L.FlashAttentionRef, None) is L.FlashAttentionRef
-    out = capsys.readouterr().out
-    assert "uses the course's reference" in out and "its check passed" in out
 
 
 def test_learner_notebook_is_generated_from_the_worked_one():

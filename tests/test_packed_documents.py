@@ -171,9 +171,9 @@ def test_a_layer_after_the_first_reuses_its_plan(monkeypatch):
     checked = []
     real_check = kv._check_packed
     monkeypatch.setattr(kv, "_check_packed", lambda *a: checked.append(1) or real_check(*a))
-    layers = [tuple(t.clone().requires_grad_() for t in _inputs(lens, lens, 4, 2, 16, DTYPES[0], seed=i)[:3])
+    layers = [tuple(t.clone().requires_grad_() for t in _inputs(lens, lens, 2, 1, 16, DTYPES[0], seed=i)[:3])
               for i in range(3)]
-    do = _inputs(lens, lens, 4, 2, 16, DTYPES[0], seed=9)[3]
+    do = _inputs(lens, lens, 2, 1, 16, DTYPES[0], seed=9)[3]
     outs = [flash_attention_varlen(q, k, v, batch, causal=True) for q, k, v in layers]
     torch.autograd.backward(outs, [do] * len(outs))
     assert len(checked) == 1 and len(batch._plans) == 1
@@ -204,7 +204,7 @@ def test_a_batch_is_freed_with_its_step():
     GPU until Python's cycle collector ran); the autograd graph keeps the batch alive until its backward."""
     import weakref
     lens = [5, 17, 0, 9]
-    q, k, v, do = _inputs(lens, lens, 4, 2, 16, DTYPES[0], seed=3)
+    q, k, v, do = _inputs(lens, lens, 2, 1, 16, DTYPES[0], seed=3)
     qg = q.clone().requires_grad_()
     batch = prepare_varlen(_cu(lens))
     o = flash_attention_varlen(qg, k, v, batch, causal=True)
@@ -247,7 +247,7 @@ class _Watch:
 
 def test_forward_and_backward_read_no_value_of_cu_seqlens_on_the_host(monkeypatch):
     lens = [7, 0, 1, 40, 3]
-    q, k, v, do = _inputs(lens, lens, 4, 2, 16, DTYPES[0], seed=1)
+    q, k, v, do = _inputs(lens, lens, 2, 1, 16, DTYPES[0], seed=1)
     cu = _cu(lens)
     batch = prepare_varlen(cu)
     for kind in ("q", "k"):  # the maps the calls use are built where the batch is made (or by a warm-up step)
@@ -311,21 +311,23 @@ def test_batch_path_bad_inputs():
 
 
 MIXES = {
-    # lens_q, lens_k (None: the same), H, Hkv, d
-    "empty and length-1 documents, GQA 4/2": ([5, 0, 1, 0, 1, 23, 1, 17], None, 4, 2, 16),
-    "one document longer than the rest together, MQA 4/1": ([3, 70, 1, 9, 0, 2, 16, 5], None, 4, 1, 32),
-    "ragged lengths, none a multiple of 16, MHA": ([15, 17, 31, 33, 1], None, 2, 2, 16),
-    "n != nk both ways (rows that see nothing), GQA 4/2": ([5, 0, 1, 33, 12, 3], [9, 3, 0, 40, 4, 3], 4, 2, 16),
-    "a batch of one document": ([57], None, 2, 1, 16),
+    # lens_q, lens_k (None: the same), H, Hkv, d, causal. Each mix with one mask: the batch path is the library's
+    # bit for bit (test_the_batch_path_is_the_library_path), and tests/test_triton_varlen.py runs the library's path
+    # forward on its mixes both ways and backward on the causal n != nk GQA mix (this file's fourth, causal), a full
+    # MHA one and a causal MQA one with n > nk.
+    "empty and length-1 documents, GQA 4/2": ([5, 0, 1, 0, 1, 23, 1, 17], None, 4, 2, 16, False),
+    "one document longer than the rest together, MQA 4/1": ([3, 40, 1, 9, 0, 2, 16, 5], None, 4, 1, 32, True),
+    "ragged lengths, none a multiple of 16, MHA": ([15, 17, 31, 33, 1], None, 2, 2, 16, False),
+    "n != nk both ways (rows that see nothing), GQA 4/2": ([5, 0, 1, 33, 12, 3], [9, 3, 0, 40, 4, 3], 4, 2, 16, False),
+    "a batch of one document": ([57], None, 2, 1, 16, True),
 }
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_packed_documents_match_float64(mix, causal):
+def test_packed_documents_match_float64(mix):
     """O, lse and dq, dk, dv through flash_attention_varlen on a prepared batch, every document against float64
     autograd on that document alone."""
-    lens_q, lens_k, H, Hkv, d = MIXES[mix]
+    lens_q, lens_k, H, Hkv, d, causal = MIXES[mix]
     lens_k = lens_k or lens_q
     dtype = DTYPES[0]
     q, k, v, do = _inputs(lens_q, lens_k, H, Hkv, d, dtype, seed=len(mix))
@@ -531,37 +533,8 @@ def test_a_training_step_waits_for_nothing_and_compiles_nothing_new():
     assert _compiled_variants() == variants, "a new batch compiled a kernel again"
 
 
-# ------------------------------------------------------------------ the benchmark's own run (no GPU: --smoke)
-
-
-PACKED_KEYS = {"mix", "T", "d", "H", "Hkv", "causal", "fwd_course_ms", "fwd_flex_ms", "bwd_course_ms", "bwd_flex_ms",
-               "pass", "fwd_sdpa_ms", "bwd_sdpa_ms", "lengths"}
-
-
-@pytest.mark.skipif(ON_GPU, reason="--smoke is the CPU interpreter run")
-def test_bench_packed_documents_smoke_writes_its_section(tmp_path):
-    """bench/bench_varlen.py --smoke --packed: every path of the GPU run (the batch, FlexAttention's document mask,
-    SDPA's dense mask, the float64 checks, the timing, the record after every row), on tiny sizes."""
-    import importlib.util
-    import json
-    import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_varlen", os.path.join(root, "bench", "bench_varlen.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "gpu.json"
-    out.write_text(json.dumps({"varlen": [{"kept": 1}]}))
-    rows = bench.main(["--smoke", "--packed", "--out", str(out)])
-    data = json.loads(out.read_text())
-    assert data["varlen"] == [{"kept": 1}], "the serving rows are left as they were"
-    assert data["packed_documents"] == rows and len(rows) == len(bench.packed_cases(False, True))
-    meta = data["packed_documents_meta"]
-    assert len(meta["details"]) == len(rows) and {"gpu", "torch", "triton", "date", "summary"} <= set(meta)
-    for row, detail in zip(rows, meta["details"]):
-        assert set(row) == PACKED_KEYS and row["pass"] and detail["pass"], (row, detail)
-        assert all(row[key] > 0 for key in ("fwd_course_ms", "fwd_flex_ms", "bwd_course_ms", "fwd_sdpa_ms"))
-        assert detail["flex_vs_course_max_diff"] < 1e-4  # FlexAttention's document mask is the same function
-    assert {r["causal"] for r in rows} == {True, False} and {r["Hkv"] < r["H"] for r in rows} == {True, False}
+# ------------------------------------------------------------------ the benchmark's document mixes
+# (its --smoke run, both sections at once: tests/test_bench_scripts.py's test_bench_varlen_smoke_merges_rows)
 
 
 def test_bench_document_mixes_sum_to_the_row():

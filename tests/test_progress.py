@@ -64,6 +64,18 @@ def test_a_broken_line_in_the_log_is_skipped(tmp_path, monkeypatch):
     assert progress.lab_verdicts(tmp_path)[("99_tiny", "merge_ml")]["status"] == "fail"
 
 
+def _graded_by_a_stub(monkeypatch, status):
+    """grade.grade_notebook replaced by one that returns ``status`` for merge_ml without a kernel: for grade's own
+    bookkeeping around it (its cache, the lab's log), which reads only the verdicts. Returns the paths it ran."""
+    ran = []
+
+    def stub(path, timeout=600):
+        ran.append(path)
+        return [grade.Verdict(path.stem, "merge_ml", status, f"merge_ml {status}", folder=str(path.parent))]
+    monkeypatch.setattr(grade, "grade_notebook", stub)
+    return ran
+
+
 def test_grade_names_a_verdict_the_saved_file_does_not_give(tmp_path, monkeypatch, capsys):
     """The learner saw ✅ in the lab, then graded before the file was saved: the row says so."""
     path = _tiny(tmp_path, answer='raise NotImplementedError("merge_ml: replace this line with your code")')
@@ -71,15 +83,16 @@ def test_grade_names_a_verdict_the_saved_file_does_not_give(tmp_path, monkeypatc
     log.mkdir()
     (log / progress.LOG_NAME).write_text(json.dumps({"notebook": "99_tiny", "exercise": "merge_ml", "status": "pass",
                                                     "time": time.time() + 5, "message": "✅ merge_ml passed"}) + "\n")
+    ran = _graded_by_a_stub(monkeypatch, "todo")   # a stub graded for real: test_grade.py, an untouched learner copy
     [v] = grade.grade([str(path)])
     assert v.status == "todo" and "the lab showed ✅" in v.unsaved and "after the notebook was last saved" in v.unsaved
     assert "not saved?" in grade.format_table([v], width=200)
     os.utime(path, (time.time() + 60, time.time() + 60))                  # saved after the lab's verdict: agreed
     [v] = grade.grade([str(path)])                                         # (the same file: its cached verdict)
-    assert v.unsaved == ""
+    assert v.unsaved == "" and len(ran) == 1
 
 
-def test_grade_runs_again_only_what_changed(tmp_path):
+def test_grade_runs_again_only_what_changed(tmp_path, monkeypatch):
     path = _tiny(tmp_path)
     said = []
     [first] = grade.grade([str(path)], progress=said.append)
@@ -89,17 +102,20 @@ def test_grade_runs_again_only_what_changed(tmp_path):
     _tiny(tmp_path, answer="return m1, l1")                                # the learner changed the notebook
     [changed] = grade.grade([str(path)], progress=said.append)
     assert changed.status == "fail" and said[2].startswith("  ran")
+    ran = _graded_by_a_stub(monkeypatch, "fail")
     grade.grade([str(path)], progress=said.append, everything=True)        # --all runs it anyway
-    assert said[3].startswith("  ran")
+    assert said[3].startswith("  ran") and ran == [path]
 
 
 def test_a_course_update_grades_everything_again(tmp_path, monkeypatch):
     path = _tiny(tmp_path)
-    said = []
+    ran, said = _graded_by_a_stub(monkeypatch, "pass"), []
     grade.grade([str(path)], progress=said.append)
+    grade.grade([str(path)], progress=said.append)
+    assert said[1].startswith("  kept")
     monkeypatch.setattr(grade, "course_key", lambda: "another version of the course")
     grade.grade([str(path)], progress=said.append)
-    assert said[1].startswith("  ran")
+    assert said[2].startswith("  ran") and len(ran) == 2
 
 
 def test_the_course_map_reads_every_lesson_and_its_time():

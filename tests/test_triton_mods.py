@@ -165,16 +165,17 @@ def test_one_sided_window_is_causal_and_no_window_is_full():
 
 
 # ------------------------------------------------------------------ forward: score modifications
-@pytest.mark.parametrize("softcap", [5.0, 50.0])
-@pytest.mark.parametrize("window, causal", [((-1, -1), False), ((-1, -1), True), ((6, 3), False)])
+@pytest.mark.parametrize("softcap, window, causal", [(5.0, (-1, -1), False), (50.0, (-1, -1), True),
+                                                     (5.0, (6, 3), False)])   # a hard cap and a light one
 def test_forward_softcap(softcap, window, causal):
     _run_fwd(45, 37, window, causal, "bottom_right", softcap=softcap)
 
 
-@pytest.mark.parametrize("shape", ["H", "BH"])
-@pytest.mark.parametrize("window, causal, align", [((-1, -1), True, "top_left"), ((-1, -1), False, "bottom_right"),
-                                                   ((9, 0), False, "bottom_right")])
+@pytest.mark.parametrize("shape, window, causal, align", [("H", (-1, -1), True, "top_left"),
+                                                          ("BH", (-1, -1), False, "bottom_right"),
+                                                          ("H", (9, 0), False, "bottom_right")])
 def test_forward_alibi_gqa(shape, window, causal, align):
+    """Slopes [H] and [B, H] by turns (the [B, H] form also with softcap below and in the backward, both there)."""
     slopes = torch.rand(4) if shape == "H" else torch.rand(2, 4)
     _run_fwd(37, 45, window, causal, align, slopes=slopes.to(DEVICE), B=2, H=4, Hkv=2)
 

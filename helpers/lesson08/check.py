@@ -93,18 +93,27 @@ class _Watch:
         equal (Q block, KV block) in the order made: one run per tile for one pass, two for two passes."""
         S, Br, Bc = self.scores
         N, Nk = S.shape
+        units = {}  # tile shape -> ([(Q block, KV block)], [tiles, Br * Bc] the unit-norm tiles of S of that shape)
+        for bi, i in enumerate(range(0, N, Br)):
+            for bj, j in enumerate(range(0, Nk, Bc)):
+                ref = S[i:i + Br, j:j + Bc]
+                norm = ref.norm()
+                if norm > 0:
+                    at, vecs = units.setdefault(tuple(ref.shape), ([], []))
+                    at.append((bi, bj))
+                    vecs.append(ref.flatten() / norm)
+        units = {shape: (at, torch.stack(vecs)) for shape, (at, vecs) in units.items()}
         order = []
         for t in self.made_tiles:
-            hit = None
-            for bi, i in enumerate(range(0, N, Br)):
-                for bj, j in enumerate(range(0, Nk, Bc)):
-                    ref = S[i:i + Br, j:j + Bc]
-                    for cand in (t, t.T):
-                        if cand.shape == ref.shape and ref.norm() > 0 and cand.norm() > 0 and \
-                                float((cand * ref).sum() / (cand.norm() * ref.norm())) > 1 - 1e-6:
-                            hit = (bi, bj)
-                if hit:
-                    break
+            hits = []
+            for cand in (t, t.T):
+                at, vecs = units.get(tuple(cand.shape), (None, None))
+                norm = cand.norm()
+                if at is not None and norm > 0:
+                    cos = (vecs @ cand.flatten() / norm).tolist()  # [tiles]: the cosine with each tile of S
+                    hits += [ij for ij, c in zip(at, cos) if c > 1 - 1e-6]
+            # the first Q block with a match, its last KV block
+            hit = max(ij for ij in hits if ij[0] == min(h[0] for h in hits)) if hits else None
             if hit and (not order or order[-1] != hit):
                 order.append(hit)
         return order
