@@ -649,3 +649,31 @@ def test_producer_stage_by_bitmask_is_named_as_the_stage(tmp_path, no_compile):
     stage both the wait and the load use, not their parity."""
     rejects(check.fa3_producer, _producer(tmp_path, stage="s = j & (NUM_STAGES - 1)"),
             "the consumers read it from stage", "s = j % NUM_STAGES")
+
+
+def test_ptxas_report_is_kept_and_read_back_not_compiled_again(tmp_path, monkeypatch):
+    """The notebook's ptxas report: the first call compiles (a child process, faked here), the next call with the same
+    Triton, sources and arguments reads the kept report; other arguments compile again; an error is not kept."""
+    import subprocess
+    import types
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(T, "gluon_here", lambda: True)
+    calls = []
+    child_out = "\n".join(['{"triton": "t", "ptxas": "V1"}', "<<pp", "ptxas info : Used 168 registers",
+                           "8 bytes spill stores, 8 bytes spill loads", '>>{"variant": "pp", "shared": 1}'])
+
+    def fake_run(args, **kw):
+        calls.append(args[3:])
+        return types.SimpleNamespace(returncode=0, stdout=child_out, stderr="")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    first = H.ptxas_report(variants=("pp",))
+    assert len(calls) == 1 and first["rows"][0]["registers"] == 168 and not first.get("cached")
+    again = H.ptxas_report(variants=("pp",))
+    assert len(calls) == 1 and again["cached"] and again["rows"] == first["rows"]
+    assert "earlier" in H.ptxas_lines(again) and "now" in H.ptxas_lines(first)
+    H.ptxas_report(variants=("pp",), d=64)
+    assert len(calls) == 2, "other arguments: compiled again"
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: types.SimpleNamespace(returncode=1, stdout="",
+                                                                                    stderr="boom"))
+    assert H.ptxas_report(variants=("one",))["error"] == "boom"
+    assert "error" in H.ptxas_report(variants=("one",)), "an error is not kept"

@@ -134,7 +134,9 @@ def ptxas_report(variants=("pp", "pp128"), d=128, dtype="bf16", causal=False, ti
     fresh cache and ``TRITON_DUMP_PTXAS_LOG=1``) and read ptxas's report for each: registers, spill stores and loads
     (bytes a thread) and its performance notes (C7512: wgmma serialised for want of registers). These are the
     compiler's figures for this machine's Triton and ptxas, not a measurement, and they change with the version.
-    Returns ``{"triton", "ptxas", "rows": [...]}`` or ``{"error": why}``."""
+    Returns ``{"triton", "ptxas", "rows": [...]}`` or ``{"error": why}``. A report is kept beside Triton's cache
+    (``_report_file``: keyed on Triton's version, the kernels' sources and the arguments), so that running the
+    notebook again does not compile again (``"cached": True``)."""
     import json
     import os
     import re
@@ -146,6 +148,11 @@ def ptxas_report(variants=("pp", "pp128"), d=128, dtype="bf16", causal=False, ti
     if not gluon_here():
         return {"error": "this Python's Triton has no Gluon Hopper API (Triton >= 3.6, Linux)"}
     root = Path(__file__).resolve().parents[2]
+    kept = _report_file(root, variants, d, dtype, causal)
+    try:
+        return {**json.loads(kept.read_text()), "cached": True}
+    except (OSError, ValueError):
+        pass
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", TRITON_DUMP_PTXAS_LOG="1",
                    TRITON_CACHE_DIR=cache,
@@ -177,15 +184,38 @@ def ptxas_report(variants=("pp", "pp128"), d=128, dtype="bf16", causal=False, ti
         else:
             log.append(ln)
     rep["rows"] = rows
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(rep))
+        os.replace(tmp, kept)
+    except OSError:  # a read-only cache: the report is still returned
+        pass
     return rep
+
+
+def _report_file(root, variants, d, dtype, causal):
+    """Where ptxas_report keeps a report: Triton's cache folder (``TRITON_CACHE_DIR``, else ``~/.triton/cache``), a
+    name that changes with Triton's version, every kernel source under helpers/kernels/, the child's script and the
+    arguments."""
+    import hashlib
+    import os
+    from pathlib import Path
+    import triton
+    h = hashlib.sha256(f"{triton.__version__}|{_PTXAS_CHILD}|{list(variants)}|{d}|{dtype}|{causal}".encode())
+    for src in sorted((root / "helpers" / "kernels").glob("*.py")):
+        h.update(src.read_bytes())
+    folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return folder / f"course_ptxas_report_{h.hexdigest()[:24]}.json"
 
 
 def ptxas_lines(rep) -> str:
     """ptxas_report's answer as lines, labelled with Triton's and ptxas's versions and the target."""
     if "error" in rep:
         return f"ptxas's report could not be made here: {rep['error']}"
-    lines = [f"ptxas {rep['ptxas']} (Triton {rep['triton']}'s), sm_90a, compiled on this machine now (no GPU needed); "
-             "bytes a thread"]
+    when = "compiled on this machine earlier (kept beside Triton's cache)" if rep.get("cached") else \
+        "compiled on this machine now"
+    lines = [f"ptxas {rep['ptxas']} (Triton {rep['triton']}'s), sm_90a, {when} (no GPU needed); bytes a thread"]
     for r in rep["rows"]:
         if not r["report"]:
             lines.append(f"  {r['variant']:6} d = {r['d']} {r['dtype']}: this Triton printed no ptxas report")
