@@ -36,7 +36,6 @@ import sys
 import time
 from pathlib import Path
 
-import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION[ \t]*(?P<name>\w+)?[ \t]*$")
@@ -85,11 +84,13 @@ CHECK_CALL = re.compile(r"^check\.(\w+)\((\w+)\)", re.M)
 
 
 def exercises_in(nb) -> list[tuple[int, str]]:
-    """``(cell index, exercise name)`` for every ``check.<name>(<name>)`` call in the notebook."""
+    """``(cell index, exercise name)`` for every ``check.<name>(<name>)`` call in the notebook (nbformat's, or the
+    notebook's JSON as ``json.load`` gives it: a cell's source a string or a list of lines)."""
     found = []
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "code":
-            found += [(i, name) for name, arg in CHECK_CALL.findall(cell.source) if name == arg]
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] == "code":
+            src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+            found += [(i, name) for name, arg in CHECK_CALL.findall(src) if name == arg]
     return found
 
 
@@ -139,6 +140,7 @@ def sources_hash(nb) -> str:
 
 def learner_notebook(solution_path: Path):
     """The learner notebook (a NotebookNode) generated from one worked notebook."""
+    import nbformat  # here, not at the top: helpers.progress uses this module without it
     try:
         nb = read_notebook(solution_path)
     except Unreadable as e:
@@ -176,6 +178,7 @@ def learner_notebook(solution_path: Path):
 
 
 def _write(nb, path: Path):
+    import nbformat  # here, not at the top: helpers.progress uses this module without it
     path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
 
 
@@ -185,6 +188,7 @@ class Unreadable(GenerateError):
 
 def read_notebook(path: Path):
     """The notebook at ``path`` (a NotebookNode), or ``Unreadable`` saying what is wrong with the file."""
+    import nbformat  # here, not at the top: helpers.progress uses this module without it
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -239,6 +243,7 @@ def back_up(path: Path, when: str | None = None) -> Path:
 
 def generate(solutions: Path, out: Path, force: bool = False, log=print) -> list[Path]:
     """Write a learner notebook in ``out`` for each ``solutions/NN_*.ipynb``; return the paths written."""
+    import nbformat  # here, not at the top: helpers.progress uses this module without it
     out.mkdir(parents=True, exist_ok=True)
     written, refused = [], []
     sources = sorted(p for p in solutions.glob("[0-9][0-9]_*.ipynb"))
@@ -282,6 +287,7 @@ def generate(solutions: Path, out: Path, force: bool = False, log=print) -> list
 
 def drift(solutions: Path, notebooks: Path) -> list[str]:
     """Names of learner notebooks that differ from what the generator would write (or are missing/extra)."""
+    import nbformat  # here, not at the top: helpers.progress uses this module without it
     problems = []
     want = {p.name: nbformat.writes(learner_notebook(p)) + "\n"
             for p in sorted(solutions.glob("[0-9][0-9]_*.ipynb"))}

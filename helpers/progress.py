@@ -71,16 +71,17 @@ def lab_verdicts(folder) -> dict:
 
 def lessons(folder=None) -> list[dict]:
     """The course's lessons, in order: ``{"name", "number", "title", "minutes", "exercises"}`` read from the worked
-    notebooks (their title cell and its *About N minutes*, their check cells), so that the map is never typed."""
-    import nbformat
-
+    notebooks (their title cell and its *About N minutes*, their check cells), so that the map is never typed.
+    The notebooks are read as the JSON they are (nbformat 4): importing nbformat takes seconds on a small machine
+    (its schema validator loads a grammar), and the start notebook calls this first."""
     from .generate import exercises_in
     out = []
     for p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
         if p.name.startswith("00_"):
             continue
-        nb = nbformat.read(p, as_version=4)
-        head = nb.cells[0].source if nb.cells and nb.cells[0].cell_type == "markdown" else ""
+        nb = json.loads(p.read_text(encoding="utf-8"))
+        first = nb["cells"][0] if nb["cells"] else None
+        head = "".join(first["source"]) if first and first["cell_type"] == "markdown" else ""
         title = head.splitlines()[0].lstrip("# ").split("·", 1)[-1].strip() if head else p.stem
         m = TIME.search(head)
         out.append({"name": p.stem, "number": p.stem[:2], "title": title, "minutes": int(m.group(1)) if m else None,
