@@ -1,12 +1,11 @@
 """Every learner notebook, opened in JupyterLab in headless Chromium and run as a learner runs it.
 
-For each of ``notebooks/`` (the learner copies) and one worked notebook of ``solutions/``, on a
-throwaway copy: open it, wait for the kernel, Run All, then assert what a learner sees:
-no error output and nothing on stderr; every figure drawn (an ``<img>`` that loaded); every
-widget rendered by the widget manager (not its still fallback), and for each widget a
-slider moved with the keyboard redraws its figure; a verdict per exercise, ``⏳`` in the
-learner copies and ``✅`` in the worked ones. A screenshot per notebook goes to
-``artifacts/e2e/``.
+For each of ``notebooks/`` (the learner copies), on a throwaway copy: open it, wait for the kernel,
+Run All, then assert what a learner sees: no error output and nothing on stderr; every figure drawn
+(an ``<img>`` that loaded); every widget rendered by the widget manager (not its still fallback), and
+for each widget a slider moved with the keyboard redraws its figure; a verdict per exercise, ``⏳``.
+The ✅ side: test_first_exercise.py answers an exercise in the lab; the inspector's planted notebook
+holds the "pass" mode to a stub. A screenshot per notebook goes to ``artifacts/e2e/``.
 """
 from __future__ import annotations
 
@@ -19,15 +18,14 @@ from conftest import ROOT, COURSE_FOLDERS, PANEL, _tree_sha
 RUN_TIMEOUT_MS = 600_000          # one notebook, Run All (notebook 07 runs Triton's interpreter on a CPU)
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
-# Every learner copy (what a learner opens), and one worked notebook for the ✅ side of the lab: the worked ones all
-# pass strict under nbval (make check-solutions) and their saved outputs hold no error or stderr
-# (tests/test_lesson_form.py), so opening each of them in the lab too would repeat those runs.
-WORKED_IN_LAB = ("01_online_softmax.ipynb",)
+# Every learner copy (what a learner opens). The worked notebooks all pass strict under nbval (make check-solutions)
+# and their saved outputs hold no error or stderr (tests/test_lesson_form.py); the lab's ✅ is test_first_exercise.py's
+# (a learner's answer passing in the lab, then graded once saved).
 # The learner copy of the first exercise is run and checked here by test_first_exercise.py, on a copy of its own,
 # before the learner's answer goes in (one run of it, not two).
 FIRST_EXERCISE = "01_online_softmax.ipynb"
 NOTEBOOKS = [f"notebooks/{p.name}" for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-             if p.name != FIRST_EXERCISE] + [f"solutions/{name}" for name in WORKED_IN_LAB]
+             if p.name != FIRST_EXERCISE]
 
 _ALL_RUN = f"""() => {{
     const panel = {PANEL};
