@@ -28,8 +28,9 @@ out):
   configuration whose num_warps another of the same list shares, with no smaller BLOCK_M, BLOCK_N or num_stages,
   is represented by that one: Triton's buffers grow with each, so its shared memory is no larger
   (``_undominated``). On sm_90 nothing is pruned (227 KB; its configurations run natively in `make check-gpu` on
-  the H200): its base forms, the TMA paths in their largest configuration, and every candidate of the packed
-  kernels (their launchers time them and leave out, silently, one that fails: this is where it would show).
+  the H200): its base forms and the TMA paths in their largest configuration. The packed kernels' other
+  candidates, which their launchers time on a batch's first call and leave out silently when one fails, are
+  launched, every one, by a GPU test (tests/test_packed_documents.py, in `make check-gpu`).
 * Every constexpr branch once on a tensor-core target, sm_80 (``VARIANT_TARGET``: a constexpr branch is the same
   code on every target, and an sm_80 compile is the cheapest with tensor cores). As covering sets: one compile
   turns on every switch that does not exclude another (full, not causal; a window; softcap with ALiBi; dropout;
@@ -41,9 +42,10 @@ out):
   _bwd_dq_rows) has its branches compiled in the dense kernels' jobs; the packed kernels that call it compile
   their own code's (the sequence lookup, ALiBi's per-sequence slope, the paged loop).
 * Hopper's own on sm_90: TMA (in the configuration with the most shared memory, and with the switches on in
-  bf16), the short-document tiles only sm_90 adds, bf16 on wgmma.
-* A test's planted-bug kernels run only in the maintainers' GPU test runs (an H200): they compile for sm_90, each
-  planted branch once.
+  bf16), bf16 on wgmma.
+
+Not here: the tests' planted-bug kernels, which only the maintainers' GPU test runs launch (`make check-gpu`
+compiles them there).
 """
 from __future__ import annotations
 
@@ -225,17 +227,6 @@ def _wide(cc, kind, variant):
     return [("fp16", 256, cfg, variant) for cfg in _proof_configs(cc, functools.partial(_fits(kind), 256))]
 
 
-def _short_configs(kind, d, cc, smem_kind="varlen"):
-    """The configurations a batch of short documents adds to ``kind``'s set (``SHAPES[kind + "_short"]``, the
-    launchers' ``class_candidates``) that fit sm_cc's shared memory (none may fit)."""
-    from helpers.kernels import common as kc
-    extra = kc.SHAPES[f"{kind}_short"](d)
-    try:
-        return kc.fitting_configs(smem_kind, extra, d, _torch_dtype("fp16"), _cap(cc), TARGETS[cc]["smem"])
-    except ValueError:
-        return []
-
-
 # ------------------------------------------------------------------ the tuned kernels (helpers/kernels/)
 _MOD_NAMES = {0: "", 1: " softcap", 2: " ALiBi", 3: " softcap + ALiBi"}
 
@@ -408,8 +399,6 @@ def varlen_jobs(cc, dtypes):
                  ("fp16", PADDED_D, _configs("varlen", PADDED_D, "fp16", cc)[0], (False, True, False, 0, False, True))]
     if cc == HOPPER:
         plan.append(("bf16", 128, plan[0][2], (True, True, False, 0, False, False)))
-        plan += [("fp16", 128, cfg, (_use_tma(cc, "fp16"), True, False, 0, False, False))
-                 for cfg in _short_configs("varlen", 128, cc)]
     jobs = []
     for dtype, d, cfg, (tma, causal, window, mod, dropout, paged) in plan:
         def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal, window=window, mod=mod, dropout=dropout,
@@ -434,8 +423,7 @@ def varlen_jobs(cc, dtypes):
 def varlen_bwd_jobs(cc, dtypes):
     """The packed backward's two kernels (the dense backward's bodies, _bwd_dkdv_group and _bwd_dq_rows, their
     branches compiled in bwd_jobs, behind a sequence lookup): in the configurations ``varlen_bwd_configs`` may time,
-    as ``_plan`` (d = 128, or 64 where nothing fits: a T4); on sm_90 every one of them and of its short sets
-    (nothing is pruned there, but a candidate that fails is left out silently: this is where it would show); on
+    as ``_plan`` (d = 128, or 64 where nothing fits: a T4; on sm_90 the first, the GPU test launches the rest); on
     VARIANT_TARGET their own code's switch once, ALiBi's per-sequence slope (bf16 at ODD_D: their own loads
     unaligned)."""
     import helpers.kernels.varlen_backward as tvb
@@ -447,10 +435,7 @@ def varlen_bwd_jobs(cc, dtypes):
             return kc.fitting_configs(kind, kc.SHAPES[f"varlen_{kind}"](d), d, _torch_dtype(dtype), _cap(c),
                                       TARGETS[c]["smem"])
         base = (True, False, 0, False)  # (causal, window, score mod, dropout)
-        if cc == HOPPER:
-            plan = [("fp16", 128, cfg, base) for cfg in fits(128, cc) + _short_configs(f"varlen_{kind}", 128, cc, kind)]
-        else:
-            plan = _plan(cc, fits, base, padded=False)
+        plan = _plan(cc, fits, base, padded=False)
         if cc == VARIANT_TARGET:
             plan.append(("bf16", ODD_D, fits(ODD_D, cc, dtype="bf16")[0], (True, False, 2, False)))
         for dtype, d, cfg, (causal, window, mod, dropout) in plan:
@@ -606,40 +591,6 @@ def lesson08_jobs(cc, dtypes):
     return jobs
 
 
-def planted_jobs(cc, dtypes):
-    """The tests' planted-bug and written-another-way kernels, inside the notebook's launcher. Each BUG value of
-    test_lesson07's planted_inner switches one site's branch: BUG=1 (NO_ALPHA) has every other site's correct
-    branch and BUG=2 (EXP) the correct acc update, so BUG=0 (OK) is compiled branch by branch; BUG=4
-    (NO_SCORE_MASK) takes BUG=3's score branch (``BUG == NO_LOAD_MASK or BUG == NO_SCORE_MASK``) and the loads'
-    masked branch: neither is compiled on its own. The combine's BUG=0 has a branch of its own (the max)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the test modules import `conftest`
-    import test_idea_checks as ti
-    import test_lesson07 as t7
-    jobs = []
-    bugs = (t7.NO_ALPHA, t7.EXP, t7.NO_LOAD_MASK, t7.CAUSAL_OFF_BY_ONE)
-    inners = {f"inner BUG={b.value}": t7.inner_with(b.value) for b in bugs}
-    inners.update(inner_other_way=t7.inner_other_way, inner_no_safe_max=ti.inner_no_safe_max)
-    combines = {f"combine BUG={b}": t7.combine_with(b) for b in range(3)}
-    combines.update(combine_other_way=t7.combine_other_way)
-    dtype = dtypes[0]
-    for name, inner in inners.items():
-        def fwd(inner=inner, d=32):
-            ns = t7._ns(attn_inner=inner)
-            fn = ns["attn_fwd"]
-            cfg = _notebook_fwd_config(ns, d)
-            sig, const, attrs = signature(fn, dict(Q=dtype, K=dtype, V=dtype, O=dtype, LSE="fp32"), ("qk_scale",),
-                                          dict(D=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True))
-            return fn, sig, const, attrs, cfg
-        jobs.append(Job("planted kernels of the tests", f"{name} in attn_fwd {dtype} d=32", fwd))
-    for name, comb in combines.items():
-        def combine(comb=comb):
-            sig, const, attrs = signature(comb, dict(O_part="fp32", LSE_part="fp32", O=dtype), (),
-                                          dict(BLOCK_S=8, D=32))
-            return comb, sig, const, attrs, dict(num_warps=4, num_stages=3)
-        jobs.append(Job("planted kernels of the tests", f"{name} {dtype} D=32", combine))
-    return jobs
-
-
 # kernel (the test's name for it) -> the function that lists its jobs for one target
 KERNELS = {
     "dense forward": fwd_jobs,
@@ -659,15 +610,13 @@ KERNELS = {
     "check.flash_attn_triton safe-max probe": lesson07_jobs,
     "lesson 08 dkdv_teaching + notebook dkdv_inner": lesson08_jobs,
     "check.dkdv_inner lo probe": lesson08_jobs,
-    "planted kernels of the tests": planted_jobs,
 }
-ONLY_SM90 = {"planted kernels of the tests"}  # run only in the maintainers' GPU test runs (an H200)
 # no tile of it fits a T4's 64 KB: its launcher refuses clearly there (tests/test_compile_targets.py checks the message)
 FROM_SM80 = {"block-sparse backward"}
 
 
 def kernels_for(cc):
-    return [k for k in KERNELS if (cc == HOPPER or k not in ONLY_SM90) and (cc >= 80 or k not in FROM_SM80)]
+    return [k for k in KERNELS if cc >= 80 or k not in FROM_SM80]
 
 
 def jobs_for(cc, kernels):

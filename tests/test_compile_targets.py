@@ -1,7 +1,7 @@
 """Every Triton kernel the course launches compiles for the GPUs learners have, proven without a GPU.
 
 One test per (kernel, target): tests/compile_kernels.py lists the kernels (the tuned ones of helpers/kernels/,
-the teaching launchers', the checkers' probes, the worked notebooks' cells, the tests' planted bugs) and compiles
+the teaching launchers', the checkers' probes, the worked notebooks' cells) and compiles
 each with Triton's own compiler for sm_90 (H100, H200), sm_89 (RTX 40, L4), sm_86 (RTX 30, A10), sm_80 (A100)
 and sm_75 (T4): every kernel in its base form on every target, the configurations its launcher keeps where
 shared memory prunes them, every constexpr branch once (its docstring says which job proves what). A kernel

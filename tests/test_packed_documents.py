@@ -478,6 +478,28 @@ def test_a_training_steps_attention_captured_in_a_cuda_graph():
         assert torch.equal(g, e), "the replayed backward is the eager one (deterministic: no atomics)"
 
 
+@pytest.mark.skipif(not ON_GPU, reason="launches every candidate tile on a CUDA GPU")
+def test_every_candidate_tile_compiles_and_launches_here():
+    """The launchers time their candidates on a batch's first call and leave out, silently, one that fails to
+    compile or launch (``varlen.rejected_configs``): here every candidate of the forward and both backward kernels
+    runs, for each length class and both head-dim classes, and none is left out. (CI compiles each kernel's base
+    form for every target; this GPU run is where a candidate of its own would fail.)"""
+    batches = {"short": [30] * 20 + [7], "medium": [600, 300, 45], "long": [2500, 100]}
+    for d in (64, 128):
+        for cls, lens in batches.items():
+            batch = prepare_varlen(_cu(lens, "cpu").tolist(), device="cuda")
+            assert batch.length_class == cls, (lens, batch.length_class)
+            T = sum(lens)
+            q = torch.randn(T, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(T, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+            flash_attention_varlen(q, k, v, batch, causal=True).backward(torch.randn_like(q))
+    torch.cuda.synchronize()
+    assert kv.rejected_configs() == {}, kv.rejected_configs()
+    timed = {(key[0], key[1], cls) for key in kv.chosen_configs() for cls in ("short", "medium", "long") if cls in key}
+    assert {(kind, d, cls) for kind in ("varlen", "varlen dkdv", "varlen dq") for d in (64, 128)
+            for cls in batches} <= timed, timed
+
+
 def _load_bench(name):
     import importlib.util
     import os
