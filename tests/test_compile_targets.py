@@ -199,11 +199,10 @@ def test_varlen_launchers_time_the_configs_that_fit(monkeypatch, cc):
             _check_pruning(smem_kind, d, cc, every, kept)
             # a batch of short documents: the same, then on sm_90 its short set, every configuration of it
             assert tv.class_candidates(kind, smem_kind, d, torch.float16, gpu, "long") == kept
-            assert tv.class_candidates(kind, smem_kind, d, torch.float16, gpu, "medium") == kept
             short = tv.class_candidates(kind, smem_kind, d, torch.float16, gpu, "short")
             assert short == kept + (kc.SHAPES[kind + "_short"](d) if cc >= 90 else []), f"{kind}, d={d}, short"
     q = SimpleNamespace(dtype=torch.float16, device=gpu)
-    for length_class in ("long", "medium", "short"):
+    for length_class in ("long", "short"):
         assert cc < 80 or tvb.varlen_bwd_configs(128, q, length_class) == tuple(
             tv.class_candidates(f"varlen_{kind}", kind, 128, q.dtype, gpu, length_class) for kind in ("dkdv", "dq"))
 

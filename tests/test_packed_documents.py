@@ -92,14 +92,10 @@ def test_prepare_varlen_checks_once_and_keeps_its_own_copy():
     cu[1] = 1  # the caller's tensor changes later: the batch does not
     assert batch.cu_seqlens_q.tolist() == batch.cu_seqlens_k.tolist() == [0, 3, 3, 8]
     assert prepare_varlen([0, 2, 2], [0, 4, 5], device=DEVICE).lengths_k.tolist() == [4, 1]  # lists: no host copy
-    # the length class: the document an average token sits in (sum n^2 / sum n) against SHORT_DOCUMENTS = 256 and
-    # LONG_DOCUMENTS = 2048
-    assert prepare_varlen(_cu([1000] + [1] * 20)).length_class == "medium"  # (10^6 + 20) / 1020 = 980
+    # the length class: the document an average token sits in (sum n^2 / sum n) against SHORT_DOCUMENTS = 256
+    assert prepare_varlen(_cu([1000] + [1] * 20)).length_class == "long"  # (10^6 + 20) / 1020 = 980
     assert prepare_varlen(_cu([32] * 30 + [600])).length_class == "short"  # 390720 / 1560 = 250
-    assert prepare_varlen(_cu([4096] + [16] * 64)).length_class == "long"  # (4096^2 + 64 * 256) / 5120 = 3280
-    assert prepare_varlen(_cu([2047] * 3 + [1] * 9)).length_class == "medium"
-    assert [prepare_varlen(_cu([n])).length_class for n in (1, 255, 256, 2047, 2048, 9000)] == [
-        "short", "short", "medium", "medium", "long", "long"]
+    assert [prepare_varlen(_cu([n])).length_class for n in (1, 255, 256, 9000)] == ["short", "short", "long", "long"]
     bad = [
         (ValueError, "must start at 0", dict(cu_seqlens_q=[1, 3])),
         (ValueError, "must not decrease", dict(cu_seqlens_q=[0, 4, 3])),
@@ -398,8 +394,8 @@ def test_tuned_launch_keeps_the_fastest_and_times_nothing_in_a_capture(monkeypat
 
 def test_short_documents_add_small_tiles_to_the_candidates(monkeypatch):
     """On a GPU (an H200's limits here), a batch of short documents times its set and the short set after it
-    (smaller tiles, two stages), in the forward and both backward kernels; a batch of medium or long documents
-    (and the unchecked library layout, which knows no lengths) its set alone."""
+    (smaller tiles, two stages), in the forward and both backward kernels; a batch of long documents (and the
+    unchecked library layout, which knows no lengths) its set alone."""
     monkeypatch.setattr(kv, "interpreting", lambda: False)
     monkeypatch.setattr(kv, "_device_limits", lambda device: ((9, 0), 227 * 1024))
     gpu = torch.device("cuda", 0)
@@ -408,10 +404,8 @@ def test_short_documents_add_small_tiles_to_the_candidates(monkeypatch):
             long, short = kv.SHAPES[kind](d), kv.SHAPES[kind + "_short"](d)
             assert short and not any(c in long for c in short)
             assert all(c["BLOCK_M"] <= 64 and c["BLOCK_N"] <= 64 and c["num_stages"] == 2 for c in short)
-            got = {cls: kv.class_candidates(kind, smem_kind, d, torch.bfloat16, gpu, cls)
-                   for cls in ("long", "medium", "short")}
-            assert got["long"] == got["medium"] == kv.class_candidates(kind, smem_kind, d, torch.bfloat16, gpu,
-                                                                        None) == long
+            got = {cls: kv.class_candidates(kind, smem_kind, d, torch.bfloat16, gpu, cls) for cls in ("long", "short")}
+            assert got["long"] == kv.class_candidates(kind, smem_kind, d, torch.bfloat16, gpu, None) == long
             assert got["short"] == long + short
     assert kv.SHAPES["varlen_short"](128)[-1] == dict(BLOCK_M=32, BLOCK_N=32, num_warps=2, num_stages=2)
     batch = prepare_varlen(_cu([30] * 20), device="meta")  # a short batch's forward key and candidates
@@ -484,7 +478,7 @@ def test_every_candidate_tile_compiles_and_launches_here():
     compile or launch (``varlen.rejected_configs``): here every candidate of the forward and both backward kernels
     runs, for each length class and both head-dim classes, and none is left out. (CI compiles each kernel's base
     form for every target; this GPU run is where a candidate of its own would fail.)"""
-    batches = {"short": [30] * 20 + [7], "medium": [600, 300, 45], "long": [2500, 100]}
+    batches = {"short": [30] * 20 + [7], "long": [600, 300, 45]}
     for d in (64, 128):
         for cls, lens in batches.items():
             batch = prepare_varlen(_cu(lens, "cpu").tolist(), device="cuda")
@@ -495,7 +489,7 @@ def test_every_candidate_tile_compiles_and_launches_here():
             flash_attention_varlen(q, k, v, batch, causal=True).backward(torch.randn_like(q))
     torch.cuda.synchronize()
     assert kv.rejected_configs() == {}, kv.rejected_configs()
-    timed = {(key[0], key[1], cls) for key in kv.chosen_configs() for cls in ("short", "medium", "long") if cls in key}
+    timed = {(key[0], key[1], cls) for key in kv.chosen_configs() for cls in batches if cls in key}
     assert {(kind, d, cls) for kind in ("varlen", "varlen dkdv", "varlen dq") for d in (64, 128)
             for cls in batches} <= timed, timed
 

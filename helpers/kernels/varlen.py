@@ -39,7 +39,7 @@ blocks, which the most rows see), so that the long programs start first and the 
 tokens next to one of 4291, fill the gaps at the end: the greedy longest-first order of list scheduling.
 
 Tiles: each kernel's configuration is chosen per shape class (head dim, dtype, the masks, the GQA group, the
-batch's length class: short, medium or long documents) by timing the candidates on the first call,
+batch's length class: short or long documents, ``SHORT_DOCUMENTS``) by timing the candidates on the first call,
 outside a CUDA graph capture; every candidate's map comes from the batch, and a batch of short documents has
 smaller tiles among its candidates. The host's part of a call on a batch is small: the first call of a shape
 checks the inputs and builds a launch plan (the chosen tile's map, grid, arguments), which the batch keeps for
@@ -142,16 +142,13 @@ def _to_device(rows, device):
     return [out[i, :n] for i in range(R)]
 
 
-# The batch's length class, part of the key its kernels' tiles are chosen under, by the document an average token
-# sits in (the token-weighted mean length, sum n^2 / sum n): "short" under SHORT_DOCUMENTS tokens, "long" from
-# LONG_DOCUMENTS on, "medium" between. A short batch's tiles are mostly empty rows and keys and its programs mostly
-# prologue and epilogue: its candidates add smaller tiles and fewer stages (more programs side by side on an SM).
-# Medium and long batches time the same candidates, each for itself: a key block of a medium batch loops over a
-# few query tiles, where a shallow pipeline fills sooner, and one of a long batch over many, where a deep one pays
-# (bench/NOTES.md, packed backward). A class's tiles are timed on its first batch and kept, so a training run
-# whose batches cross a boundary times each class once.
+# The batch's length class, part of the key its kernels' tiles are chosen under: "short" when the document an
+# average token sits in (the token-weighted mean length, sum n^2 / sum n) is shorter than SHORT_DOCUMENTS tokens,
+# "long" otherwise. A short batch's tiles are mostly empty rows and keys and its programs mostly prologue and
+# epilogue: its candidates add smaller tiles and fewer stages (more programs side by side on an SM). Past a few
+# tiles every document runs like a long one, so two classes: a finer split would make a training run time the
+# candidates again each time a batch crossed a boundary.
 SHORT_DOCUMENTS = 256
-LONG_DOCUMENTS = 2048
 
 
 class VarlenBatch:
@@ -160,8 +157,8 @@ class VarlenBatch:
     ``cu_seqlens_q``, ``cu_seqlens_k``: the batch's own int32 [B + 1] copies on ``device`` (a later in-place change
     to the caller's tensors cannot make them disagree with the maps); ``max_seqlen_q``, ``max_seqlen_k``,
     ``total_q``, ``total_k``, ``num_seqs``: ints on the host; ``lengths_q``, ``lengths_k``: int64 [B] on the CPU;
-    ``length_class``: "short", "medium" or "long" (``SHORT_DOCUMENTS``, ``LONG_DOCUMENTS``), part of the key the
-    kernels' tile choice is cached under. ``block_map(block, kind, causal)``: a program map (below); ``built_maps()``: the (block, kind, causal)
+    ``length_class``: "short" or "long" (``SHORT_DOCUMENTS``), part of the key the kernels' tile choice is cached
+    under. ``block_map(block, kind, causal)``: a program map (below); ``built_maps()``: the (block, kind, causal)
     of the maps built so far. The batch also keeps each call shape's launch plan (``_plan_for``): the first layer's
     call checks and builds it, the other layers' calls only allocate their outputs and launch.
     """
@@ -183,8 +180,7 @@ class VarlenBatch:
         self.cu_seqlens_q, self.cu_seqlens_k = _to_device(torch.stack(self._cu_host), device)  # one copy for both
         n = self.lengths_q.double()
         mean = float((n * n).sum() / n.sum()) if self.total_q else 0.0  # the token-weighted mean length
-        self.length_class = ("short" if mean < SHORT_DOCUMENTS else "medium" if mean < LONG_DOCUMENTS
-                             else "long")
+        self.length_class = "short" if mean < SHORT_DOCUMENTS else "long"
         self._maps = {}
         self._plans = {}
 
