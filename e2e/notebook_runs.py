@@ -10,8 +10,8 @@ of them as one session, so that pytest-xdist balances the notebooks under nbval 
   as on macOS and Windows: one run proves both that it passes and that it needs no Triton. The variables are given to
   the kernel as nbval starts it (the first cell's setup), so one session holds both kinds; a learner copy's kernel,
   and everything else, gets neither.
-- The work goes out longest first (with ``--no-loadscope-reorder``, xdist keeps this order): the notebook runs by the
-  seconds they took on the 2-core CI machine (``SECONDS``), the site's build with its first test, then the short
+- The work goes out longest first (with ``--no-loadscope-reorder``, xdist keeps this order): the notebook runs by an
+  estimate of their seconds on a 2-core machine (``SECONDS``: weights, only their order matters), the site's build with its first test, then the short
   tests. A long run started last would leave the other worker idle to the end; a time gone stale costs balance,
   never a test.
 """
@@ -25,8 +25,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 HIDE = ROOT / "tests" / "hide_modules"
 
-# Seconds of each notebook's run, by lesson, as measured on a 2-core machine running two workers (only their order
-# matters): under nbval (its cells summed), and in JupyterLab (e2e/test_notebooks_in_lab.py; "01" is the worked
+# Scheduling weights: about how many seconds each notebook's run takes, by lesson, on a 2-core machine running two
+# workers (only their order matters; not a record: bench/results/check_times.json has what make check took): under nbval (its cells summed), and in JupyterLab (e2e/test_notebooks_in_lab.py; "01" is the worked
 # notebook there, the learner copy runs in the first-exercise test).
 SECONDS = {
     "solutions": {"00": 8, "01": 11, "02": 21, "03": 15, "04": 15, "05": 13, "06": 13, "07": 24, "08": 45,
