@@ -11,9 +11,9 @@ of them as one session, so that pytest-xdist balances the notebooks under nbval 
   the kernel as nbval starts it (the first cell's setup), so one session holds both kinds; a learner copy's kernel,
   and everything else, gets neither.
 - The work goes out longest first (with ``--no-loadscope-reorder``, xdist keeps this order): the notebook runs by an
-  estimate of their seconds on a 2-core machine (``SECONDS``: weights, only their order matters), the site's build with its first test, then the short
-  tests. A long run started last would leave the other worker idle to the end; a time gone stale costs balance,
-  never a test.
+  estimate of their seconds on a 2-core machine (``SECONDS``: weights, only their order matters), the site's build
+  with its first test, then the short tests. A long run started last would leave the other worker idle to the end;
+  a weight gone stale costs balance, never a test.
 """
 from __future__ import annotations
 
