@@ -129,7 +129,7 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         # One intra-op thread: every tensor here is small, and with torch's default (a thread per core) pytest-xdist's
         # workers and the compile jobs beside them oversubscribe the cores; a tiny op then waits on a descheduled
-        # sibling thread (a 32 x 40 float64 SDPA, the checkers' reference: 68 ms instead of 1.3 ms on a busy 2-core
+        # sibling thread (the checkers' small float64 SDPA reference ran tens of times slower on a busy 2-core
         # machine). Kernels and scripts the tests start inherit the variable.
         if "OMP_NUM_THREADS" not in os.environ:
             os.environ["OMP_NUM_THREADS"] = "1"
