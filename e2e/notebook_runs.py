@@ -26,14 +26,15 @@ ROOT = Path(__file__).resolve().parent.parent
 HIDE = ROOT / "tests" / "hide_modules"
 
 # Scheduling weights: about how many seconds each notebook's run takes, by lesson, on a 2-core machine running two
-# workers (only their order matters; not a record: bench/results/check_times.json has what make check took): under nbval (its cells summed), and in JupyterLab (e2e/test_notebooks_in_lab.py; "01" is the worked
-# notebook there, the learner copy runs in the first-exercise test).
+# workers (only their order matters; not a record: bench/results/check_times.json has what make check took): under
+# nbval (its cells summed), and in JupyterLab (e2e/test_notebooks_in_lab.py; lesson 01's learner copy runs in the
+# first-exercise test instead).
 SECONDS = {
     "solutions": {"00": 8, "01": 11, "02": 21, "03": 15, "04": 15, "05": 13, "06": 13, "07": 24, "08": 45,
                   "09": 16, "10": 17, "11": 11, "12": 28},
     "notebooks": {"00": 4, "01": 4, "02": 7, "03": 7, "04": 9, "05": 7, "06": 6, "07": 7, "08": 24, "09": 9,
                   "10": 10, "11": 28, "12": 11},
-    "lab": {"00": 10, "01": 18, "02": 16, "03": 17, "04": 20, "05": 14, "06": 18, "07": 17, "08": 32, "09": 16,
+    "lab": {"00": 10, "02": 16, "03": 17, "04": 20, "05": 14, "06": 18, "07": 17, "08": 32, "09": 16,
             "10": 18, "11": 40, "12": 24},
 }
 FIRST_EXERCISE_SECONDS = 33     # lesson 01 in the lab, the answer typed in, two runs of `make grade`

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+# nbformat is imported in the functions that read, write or validate notebooks, not here: helpers.progress uses
+# exercises_in from this module in the start notebook, and importing nbformat takes seconds on a small machine.
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION[ \t]*(?P<name>\w+)?[ \t]*$")
@@ -140,7 +142,7 @@ def sources_hash(nb) -> str:
 
 def learner_notebook(solution_path: Path):
     """The learner notebook (a NotebookNode) generated from one worked notebook."""
-    import nbformat  # here, not at the top: helpers.progress uses this module without it
+    import nbformat
     try:
         nb = read_notebook(solution_path)
     except Unreadable as e:
@@ -178,7 +180,7 @@ def learner_notebook(solution_path: Path):
 
 
 def _write(nb, path: Path):
-    import nbformat  # here, not at the top: helpers.progress uses this module without it
+    import nbformat
     path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
 
 
@@ -188,7 +190,7 @@ class Unreadable(GenerateError):
 
 def read_notebook(path: Path):
     """The notebook at ``path`` (a NotebookNode), or ``Unreadable`` saying what is wrong with the file."""
-    import nbformat  # here, not at the top: helpers.progress uses this module without it
+    import nbformat
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -243,7 +245,7 @@ def back_up(path: Path, when: str | None = None) -> Path:
 
 def generate(solutions: Path, out: Path, force: bool = False, log=print) -> list[Path]:
     """Write a learner notebook in ``out`` for each ``solutions/NN_*.ipynb``; return the paths written."""
-    import nbformat  # here, not at the top: helpers.progress uses this module without it
+    import nbformat
     out.mkdir(parents=True, exist_ok=True)
     written, refused = [], []
     sources = sorted(p for p in solutions.glob("[0-9][0-9]_*.ipynb"))
@@ -287,7 +289,7 @@ def generate(solutions: Path, out: Path, force: bool = False, log=print) -> list
 
 def drift(solutions: Path, notebooks: Path) -> list[str]:
     """Names of learner notebooks that differ from what the generator would write (or are missing/extra)."""
-    import nbformat  # here, not at the top: helpers.progress uses this module without it
+    import nbformat
     problems = []
     want = {p.name: nbformat.writes(learner_notebook(p)) + "\n"
             for p in sorted(solutions.glob("[0-9][0-9]_*.ipynb"))}
