@@ -28,9 +28,9 @@ out):
   configuration whose num_warps another of the same list shares, with no smaller BLOCK_M, BLOCK_N or num_stages,
   is represented by that one: Triton's buffers grow with each, so its shared memory is no larger
   (``_undominated``). On sm_90 nothing is pruned (227 KB; its configurations run natively in `make check-gpu` on
-  the H200): its base forms, the TMA paths in their largest configuration, and every candidate of the packed
-  kernels (their launchers time them and leave out, silently, one that fails: this is where it would show; a GPU
-  test in tests/test_packed_documents.py launches every one and finds none left out).
+  the H200): its base forms and the TMA paths in their largest configuration. The packed kernels' other
+  candidates, which their launchers time on a batch's first call and leave out silently when one fails, are
+  launched, every one, by a GPU test (tests/test_packed_documents.py, in `make check-gpu`).
 * Every constexpr branch once on a tensor-core target, sm_80 (``VARIANT_TARGET``: a constexpr branch is the same
   code on every target, and an sm_80 compile is the cheapest with tensor cores). As covering sets: one compile
   turns on every switch that does not exclude another (full, not causal; a window; softcap with ALiBi; dropout;
@@ -42,7 +42,7 @@ out):
   _bwd_dq_rows) has its branches compiled in the dense kernels' jobs; the packed kernels that call it compile
   their own code's (the sequence lookup, ALiBi's per-sequence slope, the paged loop).
 * Hopper's own on sm_90: TMA (in the configuration with the most shared memory, and with the switches on in
-  bf16), the short-document tiles only sm_90 adds, bf16 on wgmma.
+  bf16), bf16 on wgmma.
 
 Not here: the tests' planted-bug kernels, which only the maintainers' GPU test runs launch (`make check-gpu`
 compiles them there).
@@ -227,17 +227,6 @@ def _wide(cc, kind, variant):
     return [("fp16", 256, cfg, variant) for cfg in _proof_configs(cc, functools.partial(_fits(kind), 256))]
 
 
-def _short_configs(kind, d, cc, smem_kind="varlen"):
-    """The configurations a batch of short documents adds to ``kind``'s set (``SHAPES[kind + "_short"]``, the
-    launchers' ``class_candidates``) that fit sm_cc's shared memory (none may fit)."""
-    from helpers.kernels import common as kc
-    extra = kc.SHAPES[f"{kind}_short"](d)
-    try:
-        return kc.fitting_configs(smem_kind, extra, d, _torch_dtype("fp16"), _cap(cc), TARGETS[cc]["smem"])
-    except ValueError:
-        return []
-
-
 # ------------------------------------------------------------------ the tuned kernels (helpers/kernels/)
 _MOD_NAMES = {0: "", 1: " softcap", 2: " ALiBi", 3: " softcap + ALiBi"}
 
@@ -410,8 +399,6 @@ def varlen_jobs(cc, dtypes):
                  ("fp16", PADDED_D, _configs("varlen", PADDED_D, "fp16", cc)[0], (False, True, False, 0, False, True))]
     if cc == HOPPER:
         plan.append(("bf16", 128, plan[0][2], (True, True, False, 0, False, False)))
-        plan += [("fp16", 128, cfg, (_use_tma(cc, "fp16"), True, False, 0, False, False))
-                 for cfg in _short_configs("varlen", 128, cc)]
     jobs = []
     for dtype, d, cfg, (tma, causal, window, mod, dropout, paged) in plan:
         def build(cfg=cfg, d=d, dtype=dtype, tma=tma, causal=causal, window=window, mod=mod, dropout=dropout,
@@ -436,8 +423,7 @@ def varlen_jobs(cc, dtypes):
 def varlen_bwd_jobs(cc, dtypes):
     """The packed backward's two kernels (the dense backward's bodies, _bwd_dkdv_group and _bwd_dq_rows, their
     branches compiled in bwd_jobs, behind a sequence lookup): in the configurations ``varlen_bwd_configs`` may time,
-    as ``_plan`` (d = 128, or 64 where nothing fits: a T4); on sm_90 every one of them and of its short sets
-    (nothing is pruned there, but a candidate that fails is left out silently: this is where it would show); on
+    as ``_plan`` (d = 128, or 64 where nothing fits: a T4; on sm_90 the first, the GPU test launches the rest); on
     VARIANT_TARGET their own code's switch once, ALiBi's per-sequence slope (bf16 at ODD_D: their own loads
     unaligned)."""
     import helpers.kernels.varlen_backward as tvb
@@ -449,10 +435,7 @@ def varlen_bwd_jobs(cc, dtypes):
             return kc.fitting_configs(kind, kc.SHAPES[f"varlen_{kind}"](d), d, _torch_dtype(dtype), _cap(c),
                                       TARGETS[c]["smem"])
         base = (True, False, 0, False)  # (causal, window, score mod, dropout)
-        if cc == HOPPER:
-            plan = [("fp16", 128, cfg, base) for cfg in fits(128, cc) + _short_configs(f"varlen_{kind}", 128, cc, kind)]
-        else:
-            plan = _plan(cc, fits, base, padded=False)
+        plan = _plan(cc, fits, base, padded=False)
         if cc == VARIANT_TARGET:
             plan.append(("bf16", ODD_D, fits(ODD_D, cc, dtype="bf16")[0], (True, False, 2, False)))
         for dtype, d, cfg, (causal, window, mod, dropout) in plan:

@@ -476,8 +476,8 @@ def test_a_training_steps_attention_captured_in_a_cuda_graph():
 def test_every_candidate_tile_compiles_and_launches_here():
     """The launchers time their candidates on a batch's first call and leave out, silently, one that fails to
     compile or launch (``varlen.rejected_configs``): here every candidate of the forward and both backward kernels
-    runs, for each length class and both head-dim classes, and none is left out. (CI compiles every candidate for
-    sm_90, tests/compile_kernels.py; this run launches them.)"""
+    runs, for each length class and both head-dim classes, and none is left out. (CI compiles each kernel's base
+    form for every target; this GPU run is where a candidate of its own would fail.)"""
     batches = {"short": [30] * 20 + [7], "long": [600, 300, 45]}
     for d in (64, 128):
         for cls, lens in batches.items():
